@@ -657,6 +657,39 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> t
     return ids, mask
 
 
+def join_prompt_response(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Prompts left-padded, responses right-padded, side by side: ids [B, P + T], mask [B, P + T], and P.
+
+    The same layout as a Rollout's input_ids, for responses that were not just sampled (DPO's pairs).
+    """
+    p_ids, p_mask = left_pad(prompts, pad_id)
+    width = max(1, max(len(r) for r in responses))
+    r_ids = torch.full((len(responses), width), pad_id, dtype=torch.long)
+    r_mask = torch.zeros((len(responses), width), dtype=torch.long)
+    for i, r in enumerate(responses):
+        r_ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        r_mask[i, : len(r)] = 1
+    return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), p_ids.shape[1]
+
+
+def reference_solution(problem: Problem) -> str:
+    """GSM8K's reference solution as a completion: calculator annotations <<a*b=c>> removed, ending in '#### N'."""
+    text, out, i = problem.solution, [], 0
+    while i < len(text):
+        j = text.find("<<", i)
+        k = text.find(">>", j + 2) if j != -1 else -1
+        if j == -1 or k == -1:
+            out.append(text[i:])
+            break
+        out.append(text[i:j])
+        i = k + 2
+    body = "".join(out).rstrip()
+    head, sep, _ = body.rpartition("####")
+    return f"{head.rstrip()}\n#### {problem.gold}" if sep else f"{body}\n#### {problem.gold}"
+
+
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Positions that ignore left padding: 0 at each sequence's first real token.  [B, L] -> [B, L]"""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -985,6 +1018,24 @@ def clipped_surrogate(
     loss1 = -adv * ratio
     loss2 = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     return torch.maximum(loss1, loss2), (loss2 > loss1).float()
+
+
+def loss_weights(
+    mask: torch.Tensor, mode: str, n_tokens: torch.Tensor, n_seqs: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """Per-token weights that turn a per-token loss into the minibatch loss.  [B, T] -> [B, T]
+
+    token: sum / all tokens of the minibatch (DAPO); sequence: each sequence's mean, then the mean over
+    sequences (the original GRPO); constant: sum / (sequences x max_len) (Dr. GRPO, no length bias).
+    n_tokens and n_seqs count the whole minibatch over all ranks, so that N ranks compute one process's loss.
+    """
+    if mode == "token":
+        return mask / n_tokens.clamp(min=1)
+    if mode == "sequence":
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1) / n_seqs.clamp(min=1)
+    if mode == "constant":
+        return mask / (n_seqs.clamp(min=1) * max_len)
+    raise UserError(f"unknown --loss-norm {mode!r}: use token, sequence or constant")
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:

@@ -433,6 +433,7 @@ def main() -> None:
             for mb in range(args.num_minibatches):
                 mb_rows = perm[mb * minibatch : (mb + 1) * minibatch]
                 n_tok = common.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
+                n_seq = torch.tensor(float(minibatch * world), device=device)
                 for s in range(0, minibatch, micro):
                     rows = mb_rows[s : s + micro]
                     m = rmask[rows]
@@ -456,7 +457,8 @@ def main() -> None:
                                 v_loss = torch.maximum(v_loss, (v_clip - returns[rows]) ** 2)
                             loss_tok = loss_tok + args.vf_coef * 0.5 * v_loss
                         # token-mean over the whole minibatch on all ranks; DDP averages, so scale by world
-                        loss = (loss_tok * m).sum() / n_tok.clamp(min=1) * world
+                        w = common.loss_weights(m, "token", n_tok, n_seq, args.max_new_tokens)
+                        loss = (loss_tok * w).sum() * world
                     loss.backward()
                     with torch.no_grad():
                         stats = {
@@ -489,7 +491,7 @@ def main() -> None:
                     scores.sum().item(),
                     float(B),
                     lengths.sum().item(),
-                    (lengths == rmask.shape[1]).sum().item(),
+                    (~(ro.response_ids == eos).any(-1)).sum().item(),  # no EOS: cut at max_new_tokens
                     (kl_tok.sum()).item(),
                     sum(common.extract_final_answer(t) is not None for t in texts),
                 ],

@@ -1,0 +1,552 @@
+"""DPO on GSM8K with preference pairs labelled by the verifier.
+
+DPO's baseline is implicit: the log-ratio of the policy to a frozen reference. Pairs come from the same
+strict reward as ppo.py and grpo.py: K completions are sampled per training prompt and a correct one
+(chosen) is paired with an incorrect one (rejected); prompts without such a pair are counted and skipped.
+
+Label regimes: `--pairs self` (both sides sampled) or `--pairs gold` (chosen is GSM8K's reference solution
+ending in "#### N"; rejected is an incorrect sample). Gold is the default because a weak model rarely
+samples a correct answer. Offline (default): pairs drawn once from the reference model and cached in the
+run folder as pairs.jsonl. `--online`: drawn again from the current policy every step.
+
+    python dpo.py                                                  # offline gold pairs, on a GPU
+    python dpo.py --pairs self --online                            # online self-labelled pairs
+    torchrun --standalone --nproc_per_node=8 dpo.py                # data parallel on one node
+    python dpo.py --model tiny --total-steps 2                     # a smoke run on the CPU
+
+Papers: DPO https://arxiv.org/abs/2305.18290; IPO https://arxiv.org/abs/2310.12036; online / iterative
+DPO with verifier labels https://arxiv.org/abs/2404.19733
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # --- run ---
+    run_dir: str | None = None
+    """folder for the checkpoint, metrics.jsonl and results.json (default: runs/dpo-{pairs}-{offline|online}-s{seed})"""
+    seed: int = 1
+    """seed of the model init, the data order and the sampling"""
+    resume: bool = False
+    """continue the run in run_dir from its checkpoint"""
+    device: str = "auto"
+    """auto (cuda when present), cpu or cuda"""
+    scale: str = "auto"
+    """auto: scale the defaults down on a machine without a GPU; study: the study's settings; cpu: scale down"""
+    progress: bool = True
+    """show tqdm progress bars"""
+
+    # --- model and data ---
+    model: str = "smollm2"
+    """smollm2 (the packaged SmolLM2-135M-Instruct GGUF), tiny (random, for tests), a hub id, folder or .gguf"""
+    prompt_format: str = "chat"
+    """chat (the tokenizer's chat template) or plain (only for a model without one)"""
+    task: str = "gsm8k"
+    """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
+    data_dir: str | None = None
+    """folder with GSM8K's train.jsonl and test.jsonl (default: $GSM8K_DIR, else the hub)"""
+    val_size: int = 500
+    """problems carved out of train (fixed seed) for evaluation during training"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # --- rollout ---
+    batch_size: int = 64
+    """pairs per step (offline) or prompts per step (online), over all ranks"""
+    samples_per_prompt: int = 8
+    """completions sampled per prompt (K) to find a correct and an incorrect one"""
+    max_new_tokens: int = 256
+    """longest completion, in tokens"""
+    temperature: float = 1.0
+    """sampling temperature of the completions"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+
+    # --- optimisation ---
+    total_steps: int = 200
+    """training steps (one optimiser step each)"""
+    token_budget: int = 0
+    """stop once rollouts have generated this many tokens (0: no budget); offline, it caps the pair sampling"""
+    lr: float = 1e-6
+    """policy learning rate"""
+    lr_schedule: str = "constant"
+    """constant, linear or cosine, after warmup"""
+    warmup_steps: int = 0
+    """optimiser steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    micro_batch_size: int = 16
+    """pairs per forward on each rank (gradient accumulation up to the step's pairs)"""
+
+    # --- DPO ---
+    pairs: str = "gold"
+    """self: chosen and rejected both sampled; gold: chosen is GSM8K's reference solution"""
+    online: bool = False
+    """sample pairs from the current policy every step (default: once, from the reference model)"""
+    offline_prompts: int = 2048
+    """training prompts sampled once for the offline pair set"""
+    beta: float = 0.1
+    """DPO's beta: the strength of the implicit KL to the reference"""
+    loss: str = "sigmoid"
+    """sigmoid (DPO) or ipo"""
+    update_epochs: int = 1
+    """passes over each step's pairs"""
+
+    # --- evaluation and checkpoints ---
+    eval_every: int = 25
+    """greedy accuracy on the validation split every this many steps (0: only at the end)"""
+    eval_size: int = 500
+    """validation problems per evaluation (at least 256 for a readable curve)"""
+    test_size: int = 0
+    """test problems for the final number (0: all 1,319)"""
+    eval_batch_size: int = 256
+    """prompts per generation batch in evaluation (and in offline pair sampling)"""
+    eval_max_new_tokens: int = 400
+    """longest completion in evaluation"""
+    save_every: int = 25
+    """checkpoint every this many steps (and at the end, and on SIGTERM)"""
+
+
+# What `python dpo.py` runs on a machine without a GPU, so that it ends in minutes on 2 cores.
+CPU_SCALE = dict(
+    batch_size=4,
+    samples_per_prompt=4,
+    max_new_tokens=96,
+    total_steps=6,
+    micro_batch_size=4,
+    offline_prompts=16,
+    lr=2e-6,
+    eval_every=6,
+    eval_size=32,
+    test_size=64,
+    eval_batch_size=32,
+    eval_max_new_tokens=192,
+    save_every=6,
+)
+
+
+def main() -> None:
+    # ==================================================================================================
+    # setup
+    # ==================================================================================================
+    args = tyro.cli(Args)
+    dist_ = common.setup_distributed(args.device)
+    device, world = dist_.device, dist_.world
+    scaled = common.apply_cpu_scale(args, device, CPU_SCALE)
+    if args.pairs not in ("self", "gold"):
+        raise common.UserError(f"unknown --pairs {args.pairs!r}: use self or gold")
+    if args.pairs == "gold" and args.task != "gsm8k":
+        raise common.UserError("--pairs gold needs --task gsm8k (the reference solutions are GSM8K's)")
+    if args.loss not in ("sigmoid", "ipo"):
+        raise common.UserError(f"unknown --loss {args.loss!r}: use sigmoid or ipo")
+    if args.samples_per_prompt < (2 if args.pairs == "self" else 1):
+        raise common.UserError(f"--samples-per-prompt {args.samples_per_prompt} cannot give a {args.pairs} pair")
+    if args.beta <= 0:
+        raise common.UserError(f"--beta {args.beta} must be positive")
+    common.check_divides("--batch-size", args.batch_size, world, "the world size")
+    micro = args.micro_batch_size
+    run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
+    common.prepare_run_dir(run_dir, args.resume, dist_.main)
+    common.seed_everything(args.seed)
+    splits = common.load_gsm8k(args.data_dir, args.val_size)
+    tokenizer = common.load_tokenizer(args.model)
+    prompt_cache: dict[int, list[int]] = {}
+
+    def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
+        if i not in prompt_cache:
+            prompt_cache[i] = common.encode_prompt(tokenizer, splits["train"][i].question, args.prompt_format)
+        return prompt_cache[i]
+
+    # ==================================================================================================
+    # model
+    # ==================================================================================================
+    policy = common.load_model(args.model, tokenizer, args.seed).to(device)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)  # DPO's baseline: the log-ratio to this model
+    critic = None  # DPO has no critic
+    model = common.PolicyForward(policy)
+    ddp_model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if world > 1 else model
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
+    opt_steps = args.total_steps * args.update_epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: common.lr_factor(s, args.warmup_steps, opt_steps, args.lr_schedule)
+    )
+    state: dict = {}
+    counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
+    args_dict = dataclasses.asdict(args)
+    if args.resume:
+        state = common.load_checkpoint(
+            run_dir,
+            policy=policy,
+            critic=critic,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            args=args_dict,
+            map_location=device,
+        )
+        counters.update(state["counters"])
+    if dist_.main:
+        print(
+            common.describe_run(
+                "DPO",
+                args,
+                dist_,
+                {
+                    "model": f"{args.model} ({common.count_params(policy):,} parameters)",
+                    "pairs": f"{args.pairs}, {'online' if args.online else 'offline'}, {args.loss} loss, beta {args.beta}",
+                    "data": f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
+                    f" ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
+                    "batch": f"{args.batch_size} {'prompts x ' + str(args.samples_per_prompt) if args.online else 'pairs'}"
+                    f"/step; {args.update_epochs} epochs",
+                    "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
+                },
+                scaled,
+            ),
+            flush=True,
+        )
+    stopper = common.StopSignal()
+    logger = common.MetricsLogger(run_dir, dist_.main)
+    ctx = common.autocast_ctx(device)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    t_start = time.time() - counters["wall_time"]
+
+    def run_eval(split: str, size: int) -> dict:
+        problems = splits[split][: size or None]
+        res = common.evaluate(
+            policy,
+            tokenizer,
+            problems,
+            task=args.task,
+            prompt_format=args.prompt_format,
+            max_new_tokens=args.eval_max_new_tokens,
+            batch_size=args.eval_batch_size,
+            desc=f"eval {split}",
+            show_progress=args.progress,
+        )
+        counters["eval_tokens"] += res["generated_tokens"]
+        return res
+
+    def save() -> None:
+        counters["wall_time"] = time.time() - t_start
+        if dist_.main:
+            common.save_checkpoint(
+                run_dir,
+                policy=policy,
+                tokenizer=tokenizer,
+                critic=critic,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                state={"counters": counters, "sampler": sampler.state_dict(), "world": world},
+                args=args_dict,
+            )
+        if world > 1:
+            torch.distributed.barrier()
+
+    def sample_pairs(idx: list[int], first: int, n_global: int, step: int, stream: int, gen_model) -> tuple:
+        """This rank's prompts idx (global positions first.. of n_global) -> (pairs, stats). K samples per
+        prompt, scored by the shared reward; a pair is (chosen, rejected) token ids; prompts without one count."""
+        k = args.samples_per_prompt
+        if not idx:
+            return [], [0.0, 0.0, 0.0, 0.0]
+        u = common.step_uniforms(args.seed, step, stream, n_global * k, args.max_new_tokens, device)
+        ro = common.generate(
+            gen_model,
+            [prompt_ids(i) for i in idx for _ in range(k)],
+            max_new_tokens=args.max_new_tokens,
+            eos_id=eos,
+            pad_id=pad,
+            uniforms=u[first * k : (first + len(idx)) * k],  # this rank's rows of the global table
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
+        texts, ids = common.decode_responses(tokenizer, ro)
+        golds = [splits["train"][i].gold for i in idx for _ in range(k)]
+        scores = common.score(args.task, texts, ids, golds)
+        pairs = []
+        for j, i in enumerate(idx):
+            group = range(j * k, (j + 1) * k)
+            right = [r for r in group if scores[r] == 1.0]
+            wrong = [r for r in group if scores[r] == 0.0]
+            if args.pairs == "gold" and wrong:
+                solution = common.reference_solution(splits["train"][i])
+                chosen = tokenizer(solution, add_special_tokens=False)["input_ids"] + [eos]
+                pairs.append({"prompt": i, "chosen": chosen, "rejected": ids[wrong[0]]})
+            elif args.pairs == "self" and right and wrong:
+                pairs.append({"prompt": i, "chosen": ids[right[0]], "rejected": ids[wrong[0]]})
+        stats = [sum(scores), float(len(scores)), float(len(idx) - len(pairs)), float(ro.lengths.sum().item())]
+        return pairs, stats
+
+    def seq_logps(module: torch.nn.Module, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed response log-probs of chosen and rejected, one forward over both.  -> [N], [N]"""
+        ids, attn, P = common.join_prompt_response(
+            [prompt_ids(p["prompt"]) for p in pairs] * 2,
+            [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
+            pad,
+        )
+        ids, attn = ids.to(device), attn.to(device)
+        logp = module(ids, attn, P)[0]  # [2N, T]
+        seq = (logp * attn[:, P:]).sum(-1)
+        return seq[: len(pairs)], seq[len(pairs) :]
+
+    def reference_logps(pairs: list[dict]) -> None:
+        """DPO's baseline, computed once per pair with the frozen reference, in micro-batches."""
+        with torch.no_grad(), ctx:
+            for s in range(0, len(pairs), micro):
+                c, r = seq_logps(common.PolicyForward(ref), pairs[s : s + micro])
+                for p, rc, rr in zip(pairs[s : s + micro], c.tolist(), r.tolist()):
+                    p["ref_chosen"], p["ref_rejected"] = rc, rr
+
+    # offline: pairs drawn once from the reference model and cached in the run folder (pairs.jsonl)
+    pair_set: list[dict] = []
+    pair_stats = [0.0, 0.0, 0.0, 0.0]  # reward sum, completions, prompts without a pair, generated tokens
+    pairs_path = run_dir / "pairs.jsonl"
+    if not args.online:
+        if pairs_path.is_file():
+            try:
+                pair_set = [json.loads(line) for line in pairs_path.read_text().splitlines()]
+            except ValueError:
+                raise common.UserError(f"{pairs_path} is damaged; remove it to sample the pairs again") from None
+        else:
+            offline = common.PromptSampler(len(splits["train"]), args.seed + 1).next(args.offline_prompts)
+            chunk = args.eval_batch_size * world
+            bar = tqdm(total=len(offline), desc="offline pairs", disable=not (dist_.main and args.progress))
+            for c, start in enumerate(range(0, len(offline), chunk)):
+                part = offline[start : start + chunk]
+                per = -(-len(part) // world)  # the last chunk may leave a rank fewer prompts, or none
+                mine = part[dist_.rank * per : (dist_.rank + 1) * per]
+                pairs, stats = sample_pairs(mine, dist_.rank * per, per * world, 0, 10 + c, ref)
+                reference_logps(pairs)
+                for gathered in common.all_gather_objects(pairs):
+                    pair_set += gathered
+                pair_stats = [a + b for a, b in zip(pair_stats, common.all_reduce_sum(torch.tensor(stats)).tolist())]
+                bar.update(len(part))
+                if args.token_budget and pair_stats[3] >= args.token_budget:
+                    break
+            bar.close()
+            counters["generated_tokens"] = int(pair_stats[3])
+            if dist_.main:
+                tmp = pairs_path.with_name(".pairs.jsonl.tmp")
+                tmp.write_text("".join(json.dumps(p) + "\n" for p in pair_set))
+                tmp.replace(pairs_path)
+                logger.log(
+                    0,
+                    {
+                        "pairs/count": len(pair_set),
+                        "pairs/no_pair_share": pair_stats[2] / max(1, len(offline)),
+                        "pairs/sampled_reward": pair_stats[0] / max(1, pair_stats[1]),
+                        "generated_tokens": counters["generated_tokens"],
+                    },
+                )
+        if not pair_set:
+            raise common.UserError(
+                f"no prompt yielded a {args.pairs} pair (every sample was {'right' if args.pairs == 'self' else 'wrong'}"
+                " or the other side never came up); try --pairs gold or more --samples-per-prompt"
+            )
+        if dist_.main:
+            print(f"offline pairs: {len(pair_set)} in {pairs_path}", flush=True)
+    sampler = common.PromptSampler(len(pair_set) if not args.online else len(splits["train"]), args.seed)
+    if args.resume:
+        sampler.load_state_dict(state["sampler"])
+
+    bar = tqdm(total=args.total_steps, initial=counters["step"], desc="dpo", disable=not (dist_.main and args.progress))
+    while counters["step"] < args.total_steps and not (
+        args.online and args.token_budget and counters["generated_tokens"] >= args.token_budget
+    ):
+        step = counters["step"]
+        metrics: dict[str, float] = {}
+        t0 = time.time()
+        # ==================================================================================================
+        # rollout
+        # ==================================================================================================
+        lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
+        if args.online:  # K fresh samples per prompt from the current policy
+            batch_idx = sampler.next(args.batch_size)
+            pairs, stats = sample_pairs(batch_idx[lo:hi], lo, args.batch_size, step, 0, policy)
+            stats = common.all_reduce_sum(torch.tensor(stats)).tolist()
+        else:  # a batch of the cached pairs
+            pairs = [pair_set[i] for i in sampler.next(args.batch_size)[lo:hi]]
+            stats = None
+        t_rollout = time.time() - t0
+
+        # ==================================================================================================
+        # reward
+        # ==================================================================================================
+        if args.online:  # pairs stay whole; spread them evenly over ranks, padding with zero-weight copies
+            everyone = [p for part in common.all_gather_objects(pairs) for p in part]
+            if not everyone and step == 0:
+                raise common.UserError(
+                    f"no prompt of the first batch yielded a {args.pairs} pair; try --pairs gold or more "
+                    "--samples-per-prompt"
+                )
+            n_real = len(everyone)
+            per_rank = -(-n_real // world)
+            padded = everyone + [dict(everyone[0], weight=0.0)] * (per_rank * world - n_real) if everyone else []
+            pairs = padded[dist_.rank * per_rank : (dist_.rank + 1) * per_rank]
+        else:
+            n_real = args.batch_size
+
+        # ==================================================================================================
+        # reference (DPO's baseline: the log-ratio to the frozen reference)
+        # ==================================================================================================
+        if args.online:
+            reference_logps(pairs)
+        weights = torch.tensor([p.get("weight", 1.0) for p in pairs], device=device)  # [N]
+        ref_c = torch.tensor([p["ref_chosen"] for p in pairs], device=device)  # [N]
+        ref_r = torch.tensor([p["ref_rejected"] for p in pairs], device=device)  # [N]
+
+        # ==================================================================================================
+        # update
+        # ==================================================================================================
+        t_update = time.time()
+        sums: dict[str, float] = {}
+        N = len(pairs)
+        for _epoch in range(args.update_epochs if n_real else 0):
+            for s in range(0, N, micro):
+                sl = slice(s, s + micro)
+                last_micro = s + micro >= N
+                sync = contextlib.nullcontext() if (world == 1 or last_micro) else ddp_model.no_sync()
+                with sync, ctx:
+                    pi_c, pi_r = seq_logps(ddp_model, pairs[sl])
+                    loss_pair, margin = common.dpo_loss(pi_c, pi_r, ref_c[sl], ref_r[sl], args.beta, args.loss)
+                    # mean over the step's real pairs on all ranks; DDP averages, so scale by world
+                    loss = (loss_pair * weights[sl]).sum() / n_real * world
+                loss.backward()
+                with torch.no_grad():
+                    w = weights[sl]
+                    stats_mb = {
+                        "loss": (loss_pair * w).sum(),
+                        "reward_accuracy": ((margin > 0).float() * w).sum(),
+                        "margin": (margin * w).sum(),
+                        "chosen_reward": (args.beta * (pi_c - ref_c[sl]) * w).sum(),
+                        "rejected_reward": (args.beta * (pi_r - ref_r[sl]) * w).sum(),
+                        "pairs": w.sum(),
+                    }
+                    for key, v in stats_mb.items():
+                        sums[key] = sums.get(key, 0.0) + v.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
+        t_update = time.time() - t_update
+
+        # ==================================================================================================
+        # logging
+        # ==================================================================================================
+        keys = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward", "pairs")
+        totals = common.all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)).tolist()
+        npairs = max(totals[-1], 1.0)
+        counters["step"] = step + 1
+        metrics.update({k: v / npairs for k, v in zip(keys[:-1], totals[:-1])})
+        metrics.update(
+            {
+                "pairs": n_real,
+                "grad_norm": sums.get("grad_norm", 0.0) / max(1, args.update_epochs),
+                "lr": scheduler.get_last_lr()[0],
+                "time/rollout": t_rollout,
+                "time/update": t_update,
+                "time/step": time.time() - t0,
+            }
+        )
+        if stats is not None:  # online: the round's samples
+            counters["generated_tokens"] += int(stats[3])
+            metrics.update(
+                {
+                    "reward": stats[0] / max(1, stats[1]),
+                    "no_pair_share": stats[2] / args.batch_size,
+                    "tokens_per_s": stats[3] / max(t_rollout, 1e-9),
+                }
+            )
+        metrics["generated_tokens"] = counters["generated_tokens"]
+        if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
+            res = run_eval("val", args.eval_size)
+            metrics.update(
+                {
+                    "val/accuracy": res["accuracy"],
+                    "val/ci_low": res["ci95"][0],
+                    "val/ci_high": res["ci95"][1],
+                    "val/format_rate": res["format_rate"],
+                    "val/seconds": res["seconds"],
+                }
+            )
+        logger.log(counters["step"], metrics)
+        bar.set_postfix(
+            loss=f"{metrics['loss']:.3f}",
+            acc=f"{metrics['reward_accuracy']:.2f}",
+            **({"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}),
+        )
+        bar.update(1)
+
+        # ==================================================================================================
+        # checkpoint
+        # ==================================================================================================
+        if stopper.should_stop(device):
+            save()
+            if dist_.main:
+                print(
+                    f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
+                    f"checkpoint in {run_dir / common.CHECKPOINT}; continue with --resume",
+                    flush=True,
+                )
+            return
+        if args.save_every and counters["step"] % args.save_every == 0:
+            save()
+    bar.close()
+
+    # final: a checkpoint, the validation and test accuracy, results.json
+    save()
+    val = run_eval("val", args.eval_size)
+    logger.log(
+        counters["step"], {"val/accuracy": val["accuracy"], "val/ci_low": val["ci95"][0], "val/ci_high": val["ci95"][1]}
+    )
+    test = run_eval("test", args.test_size)
+    counters["wall_time"] = time.time() - t_start
+    if dist_.main:
+        results = {
+            "method": "dpo",
+            "critic": f"{args.pairs}-{'online' if args.online else 'offline'}",
+            "seed": args.seed,
+            "steps": counters["step"],
+            "test": test,
+            "val": val,
+            "generated_tokens": counters["generated_tokens"],
+            "mc_tokens": counters["mc_tokens"],
+            "eval_tokens": counters["eval_tokens"],
+            "wall_time_s": counters["wall_time"],
+            "critic_params": 0,
+            "device": common.device_description(device, world),
+            "date": time.strftime("%Y-%m-%d"),
+            "args": args_dict,
+            "scaled_down": scaled,
+        }
+        common.write_json_atomic(run_dir / "results.json", results)
+        lo_, hi_ = test["ci95"]
+        print(
+            f"test accuracy {100 * test['accuracy']:.1f}% [{100 * lo_:.1f}, {100 * hi_:.1f}] on {test['n']} problems "
+            f"after {counters['step']} steps ({run_dir / 'results.json'})",
+            flush=True,
+        )
+    logger.close()
+
+
+if __name__ == "__main__":
+    common.run_main(main)

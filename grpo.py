@@ -1,0 +1,544 @@
+"""GRPO on GSM8K: the baseline is the mean reward of G rollouts of the same prompt.
+
+GRPO's baseline is a Monte Carlo estimate of the prompt's value: unbiased, but it costs G rollouts per
+prompt and is noisy at G = 8. Every `--mc-every` steps this script measures that noise with K fresh
+rollouts per prompt, through the same common.baseline_report as ppo.py's critic, so that a critic's error
+and the group mean's noise sit on one scale. It also logs the share of groups whose rewards are all equal:
+those carry no learning signal, which on a weak model decides everything.
+
+Options: `--scale-rewards none` drops the division by the group's std (Dr. GRPO); `--loss-norm` token,
+sequence (the original) or constant (Dr. GRPO); `--baseline loo` uses the leave-one-out mean (RLOO).
+
+    python grpo.py                                                 # the study's settings on a GPU
+    torchrun --standalone --nproc_per_node=8 grpo.py               # data parallel on one node
+    python grpo.py --model tiny --total-steps 2                    # a smoke run on the CPU
+
+Papers: GRPO https://arxiv.org/abs/2402.03300; Dr. GRPO https://arxiv.org/abs/2503.20783;
+RLOO https://arxiv.org/abs/2402.14740; DAPO (clip-higher, token-level loss) https://arxiv.org/abs/2503.14476
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import tyro
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
+
+import common
+
+
+@dataclass
+class Args:
+    # --- run ---
+    run_dir: str | None = None
+    """folder for the checkpoint, metrics.jsonl and results.json (default: runs/grpo-s{seed})"""
+    seed: int = 1
+    """seed of the model init, the data order and the sampling"""
+    resume: bool = False
+    """continue the run in run_dir from its checkpoint"""
+    device: str = "auto"
+    """auto (cuda when present), cpu or cuda"""
+    scale: str = "auto"
+    """auto: scale the defaults down on a machine without a GPU; study: the study's settings; cpu: scale down"""
+    progress: bool = True
+    """show tqdm progress bars"""
+
+    # --- model and data ---
+    model: str = "smollm2"
+    """smollm2 (the packaged SmolLM2-135M-Instruct GGUF), tiny (random, for tests), a hub id, folder or .gguf"""
+    prompt_format: str = "chat"
+    """chat (the tokenizer's chat template) or plain (only for a model without one)"""
+    task: str = "gsm8k"
+    """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
+    data_dir: str | None = None
+    """folder with GSM8K's train.jsonl and test.jsonl (default: $GSM8K_DIR, else the hub)"""
+    val_size: int = 500
+    """problems carved out of train (fixed seed) for evaluation during training"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+
+    # --- rollout ---
+    batch_size: int = 64
+    """prompts per step, over all ranks"""
+    group_size: int = 8
+    """completions per prompt (G); the group's mean reward is the baseline"""
+    max_new_tokens: int = 256
+    """longest completion, in tokens"""
+    temperature: float = 1.0
+    """sampling temperature (the policy's log-probs use the same one)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+
+    # --- optimisation ---
+    total_steps: int = 200
+    """training steps (one batch of rollouts each)"""
+    token_budget: int = 0
+    """stop once training rollouts have generated this many tokens (0: no budget); matches methods on compute"""
+    lr: float = 1e-6
+    """policy learning rate"""
+    lr_schedule: str = "constant"
+    """constant, linear or cosine, after warmup"""
+    warmup_steps: int = 0
+    """optimiser steps of linear warmup"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    micro_batch_size: int = 64
+    """sequences per forward on each rank (gradient accumulation up to a minibatch)"""
+
+    # --- GRPO ---
+    baseline: str = "mean"
+    """mean: the group mean (GRPO); loo: the mean of the other G - 1 (RLOO)"""
+    scale_rewards: str = "group"
+    """group: divide advantages by the group's std (GRPO); none: don't (Dr. GRPO)"""
+    loss_norm: str = "token"
+    """token: over all tokens of the minibatch; sequence: per sequence, then over sequences (GRPO); constant (Dr. GRPO)"""
+    update_epochs: int = 2
+    """passes over each batch of rollouts"""
+    num_minibatches: int = 4
+    """minibatches (optimiser steps) per epoch"""
+    clip_eps: float = 0.2
+    """clip range for the probability ratio (lower side, and upper unless clip_eps_high)"""
+    clip_eps_high: float | None = None
+    """a separate upper clip range (DAPO's clip-higher); default: clip_eps"""
+    kl_coef: float = 0.04
+    """KL coefficient beta of the k3 estimator in the loss (0: no reference model)"""
+    recompute_logprobs: bool = False
+    """recompute old log-probs with a training forward instead of using the rollout's"""
+
+    # --- measurement against Monte Carlo ---
+    mc_every: int = 10
+    """measure the group-mean baseline every this many steps (0: never)"""
+    mc_samples: int = 8
+    """Monte Carlo rollouts per measured prompt (K), apart from the group"""
+    mc_prompts: int = 32
+    """prompts of the step measured, over all ranks"""
+
+    # --- evaluation and checkpoints ---
+    eval_every: int = 25
+    """greedy accuracy on the validation split every this many steps (0: only at the end)"""
+    eval_size: int = 500
+    """validation problems per evaluation (at least 256 for a readable curve)"""
+    test_size: int = 0
+    """test problems for the final number (0: all 1,319)"""
+    eval_batch_size: int = 256
+    """prompts per generation batch in evaluation"""
+    eval_max_new_tokens: int = 400
+    """longest completion in evaluation"""
+    save_every: int = 25
+    """checkpoint every this many steps (and at the end, and on SIGTERM)"""
+
+
+# What `python grpo.py` runs on a machine without a GPU, so that it ends in minutes on 2 cores.
+CPU_SCALE = dict(
+    batch_size=2,
+    max_new_tokens=96,
+    total_steps=6,
+    micro_batch_size=8,
+    num_minibatches=2,
+    lr=2e-6,
+    mc_every=3,
+    mc_prompts=2,
+    eval_every=6,
+    eval_size=32,
+    test_size=64,
+    eval_batch_size=32,
+    eval_max_new_tokens=192,
+    save_every=6,
+)
+
+
+def main() -> None:
+    # ==================================================================================================
+    # setup
+    # ==================================================================================================
+    args = tyro.cli(Args)
+    dist_ = common.setup_distributed(args.device)
+    device, world = dist_.device, dist_.world
+    scaled = common.apply_cpu_scale(args, device, CPU_SCALE)
+    if args.group_size < 2:
+        raise common.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
+    if args.baseline not in ("mean", "loo") or args.scale_rewards not in ("group", "none"):
+        raise common.UserError("--baseline must be mean or loo, and --scale-rewards group or none")
+    if args.mc_every and args.mc_samples < 2:
+        raise common.UserError(
+            f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
+        )
+    n_rollouts = args.batch_size * args.group_size  # completions per step, over all ranks; groups stay on one rank
+    common.check_divides("--batch-size", args.batch_size, world, "the world size")
+    local_rollouts = n_rollouts // world
+    common.check_divides("completions per rank", local_rollouts, args.num_minibatches, "--num-minibatches")
+    minibatch = local_rollouts // args.num_minibatches  # rows per optimiser step on this rank
+    micro = min(args.micro_batch_size, minibatch)
+    common.check_divides("the minibatch per rank", minibatch, micro, "--micro-batch-size")
+    if args.mc_every:
+        common.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
+        if args.mc_prompts > args.batch_size:
+            raise common.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
+    run_dir = Path(args.run_dir or f"runs/grpo-s{args.seed}")
+    common.prepare_run_dir(run_dir, args.resume, dist_.main)
+    common.seed_everything(args.seed)
+    splits = common.load_gsm8k(args.data_dir, args.val_size)
+    tokenizer = common.load_tokenizer(args.model)
+    prompt_cache: dict[int, list[int]] = {}
+
+    def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
+        if i not in prompt_cache:
+            prompt_cache[i] = common.encode_prompt(tokenizer, splits["train"][i].question, args.prompt_format)
+        return prompt_cache[i]
+
+    # ==================================================================================================
+    # model
+    # ==================================================================================================
+    policy = common.load_model(args.model, tokenizer, args.seed).to(device)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    critic = None  # GRPO has no critic: the group is the baseline
+    model = common.PolicyForward(policy)
+    ddp_model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if world > 1 else model
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
+    opt_steps = args.total_steps * args.update_epochs * args.num_minibatches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: common.lr_factor(s, args.warmup_steps, opt_steps, args.lr_schedule)
+    )
+    sampler = common.PromptSampler(len(splits["train"]), args.seed)
+    counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
+    args_dict = dataclasses.asdict(args)
+    if args.resume:
+        state = common.load_checkpoint(
+            run_dir,
+            policy=policy,
+            critic=critic,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            args=args_dict,
+            map_location=device,
+        )
+        counters.update(state["counters"])
+        sampler.load_state_dict(state["sampler"])
+    if dist_.main:
+        print(
+            common.describe_run(
+                "GRPO",
+                args,
+                dist_,
+                {
+                    "model": f"{args.model} ({common.count_params(policy):,} parameters)",
+                    "baseline": f"group {args.baseline}, scale {args.scale_rewards}, loss norm {args.loss_norm}",
+                    "data": f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
+                    f" ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
+                    "batch": f"{n_rollouts} completions/step = {args.batch_size} prompts x {args.group_size}; "
+                    f"{args.num_minibatches} minibatches x {args.update_epochs} epochs",
+                    "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
+                },
+                scaled,
+            ),
+            flush=True,
+        )
+    stopper = common.StopSignal()
+    logger = common.MetricsLogger(run_dir, dist_.main)
+    ctx = common.autocast_ctx(device)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    t_start = time.time() - counters["wall_time"]
+
+    def run_eval(split: str, size: int) -> dict:
+        problems = splits[split][: size or None]
+        res = common.evaluate(
+            policy,
+            tokenizer,
+            problems,
+            task=args.task,
+            prompt_format=args.prompt_format,
+            max_new_tokens=args.eval_max_new_tokens,
+            batch_size=args.eval_batch_size,
+            desc=f"eval {split}",
+            show_progress=args.progress,
+        )
+        counters["eval_tokens"] += res["generated_tokens"]
+        return res
+
+    def save() -> None:
+        counters["wall_time"] = time.time() - t_start
+        if dist_.main:
+            common.save_checkpoint(
+                run_dir,
+                policy=policy,
+                tokenizer=tokenizer,
+                critic=critic,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                state={"counters": counters, "sampler": sampler.state_dict(), "world": world},
+                args=args_dict,
+            )
+        if world > 1:
+            torch.distributed.barrier()
+
+    bar = tqdm(
+        total=args.total_steps, initial=counters["step"], desc="grpo", disable=not (dist_.main and args.progress)
+    )
+    while counters["step"] < args.total_steps and not (
+        args.token_budget and counters["generated_tokens"] >= args.token_budget
+    ):
+        step = counters["step"]
+        metrics: dict[str, float] = {}
+        t0 = time.time()
+        # ==================================================================================================
+        # rollout
+        # ==================================================================================================
+        batch_idx = sampler.next(args.batch_size)  # the global batch; this rank takes its contiguous share
+        lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
+        local_idx = [i for i in batch_idx[lo:hi] for _ in range(args.group_size)]
+        uniforms = common.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
+        uniforms = uniforms[lo * args.group_size : hi * args.group_size]
+        prompts = [prompt_ids(i) for i in local_idx]
+        ro = common.generate(
+            policy,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            eos_id=eos,
+            pad_id=pad,
+            uniforms=uniforms,
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
+        P = ro.prompt_ids.shape[1]
+        input_ids, attn, rmask = ro.input_ids, ro.attention_mask, ro.response_mask  # [B, P+T], [B, P+T], [B, T]
+        old_logp = ro.logprobs
+        t_rollout = time.time() - t0
+        with torch.no_grad(), ctx:
+            ref_logp = torch.zeros_like(old_logp)
+            for s in range(0, len(prompts), micro):
+                sl = slice(s, s + micro)
+                if ref is not None:
+                    ref_logp[sl] = common.PolicyForward(ref)(input_ids[sl], attn[sl], P, args.temperature)[0]
+                if args.recompute_logprobs:
+                    old_logp[sl] = model(input_ids[sl], attn[sl], P, args.temperature)[0]
+
+        # ==================================================================================================
+        # reward
+        # ==================================================================================================
+        texts, ids = common.decode_responses(tokenizer, ro)
+        golds = [splits["train"][i].gold for i in local_idx]
+        scores = torch.tensor(common.score(args.task, texts, ids, golds), device=device)  # [B]
+        lengths = ro.lengths  # [B]
+        kl_tok = common.kl_estimate(old_logp, ref_logp, "k1") * rmask if ref is not None else torch.zeros_like(old_logp)
+
+        # ==================================================================================================
+        # advantages
+        # ==================================================================================================
+        centred = common.group_advantages(scores, args.group_size, "none", args.baseline)  # [B]: r - baseline
+        baseline_values = scores - centred  # [B]: the baseline each completion is compared with
+        seq_adv = common.group_advantages(scores, args.group_size, args.scale_rewards, args.baseline)  # [B]
+        advantages = seq_adv[:, None] * rmask  # [B, T]: every token of a completion shares its advantage
+        groups_equal = (scores.view(-1, args.group_size).std(-1) == 0).float()  # [B / G]: no learning signal
+
+        if args.mc_every and step % args.mc_every == 0:  # measure the baseline against Monte Carlo
+            t_mc = time.time()
+            k, n_meas = args.mc_samples, args.mc_prompts // world
+            rows = list(range(0, n_meas * args.group_size, args.group_size))  # one row per measured prompt
+            mc_u = common.step_uniforms(args.seed, step, 1, args.mc_prompts * k, args.max_new_tokens, device)
+            mc_u = mc_u[dist_.rank * n_meas * k : (dist_.rank + 1) * n_meas * k]
+            p_hat, mc_tok = common.mc_values(
+                policy,
+                tokenizer,
+                [prompts[r] for r in rows],
+                [[] for _ in rows],
+                [golds[r] for r in rows],
+                task=args.task,
+                k=k,
+                max_new_tokens=args.max_new_tokens,
+                uniforms=mc_u,
+                temperature=args.temperature,
+                top_p=args.top_p,
+            )
+            members = torch.arange(n_meas * args.group_size)  # every completion of the measured groups
+            local = {
+                "pred": baseline_values.cpu()[members],
+                "mc": p_hat.repeat_interleave(args.group_size),
+                "ret": scores.cpu()[members],
+                "adv": centred.cpu()[members],
+                "group": torch.tensor([local_idx[r] for r in members.tolist()]),
+            }
+            gathered = common.all_gather_objects(local)
+            cat = {key: torch.cat([g[key] for g in gathered]) for key in local}
+            report = common.baseline_report(cat["pred"], cat["mc"], cat["ret"], cat["adv"], k, cat["group"])
+            metrics.update({f"mc/{key}": v for key, v in report.items()})
+            mc_tok = int(common.all_reduce_sum(torch.tensor(float(mc_tok))).item())
+            counters["mc_tokens"] += mc_tok
+            metrics["mc/tokens"] = mc_tok
+            metrics["mc/seconds"] = time.time() - t_mc
+
+        # ==================================================================================================
+        # update
+        # ==================================================================================================
+        t_update = time.time()
+        sums: dict[str, float] = {}
+        B = len(prompts)
+        for epoch in range(args.update_epochs):
+            g = torch.Generator().manual_seed(args.seed * 7 + step * 131 + epoch)
+            perm = torch.randperm(B, generator=g)  # the same on every rank: shares shuffle within themselves
+            for mb in range(args.num_minibatches):
+                mb_rows = perm[mb * minibatch : (mb + 1) * minibatch]
+                n_tok = common.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
+                n_seq = torch.tensor(float(minibatch * world), device=device)  # the minibatch's sequences
+                for s in range(0, minibatch, micro):
+                    rows = mb_rows[s : s + micro]
+                    m = rmask[rows]
+                    last_micro = s + micro >= minibatch
+                    sync = contextlib.nullcontext() if (world == 1 or last_micro) else ddp_model.no_sync()
+                    with sync, ctx:
+                        logp, entropy, _ = ddp_model(input_ids[rows], attn[rows], P, args.temperature)
+                        pg_loss, clipped = common.clipped_surrogate(
+                            logp, old_logp[rows], advantages[rows], args.clip_eps, args.clip_eps_high
+                        )
+                        loss_tok = pg_loss
+                        if ref is not None:
+                            kl = common.kl_estimate(logp, ref_logp[rows], "k3")
+                            loss_tok = loss_tok + args.kl_coef * kl
+                        # normalised over the whole minibatch on all ranks; DDP averages, so scale by world
+                        w = common.loss_weights(m, args.loss_norm, n_tok, n_seq, args.max_new_tokens)
+                        loss = (loss_tok * w).sum() * world
+                    loss.backward()
+                    with torch.no_grad():
+                        stats = {
+                            "pg_loss": (pg_loss * m).sum(),
+                            "clipfrac": (clipped * m).sum(),
+                            "entropy": (entropy * m).sum(),
+                            "approx_kl": (common.kl_estimate(logp, old_logp[rows], "k3") * m).sum(),
+                        }
+                        for key, v in stats.items():
+                            sums[key] = sums.get(key, 0.0) + v.item()
+                        sums["tokens"] = sums.get("tokens", 0.0) + m.sum().item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
+        t_update = time.time() - t_update
+
+        # ==================================================================================================
+        # logging
+        # ==================================================================================================
+        totals = common.all_reduce_sum(
+            torch.tensor(
+                [sums.get(key, 0.0) for key in ("pg_loss", "clipfrac", "entropy", "approx_kl", "tokens")]
+                + [
+                    scores.sum().item(),
+                    float(B),
+                    lengths.sum().item(),
+                    (~(ro.response_ids == eos).any(-1)).sum().item(),  # no EOS: cut at max_new_tokens
+                    (kl_tok.sum()).item(),
+                    sum(common.extract_final_answer(t) is not None for t in texts),
+                    groups_equal.sum().item(),
+                    float(len(groups_equal)),
+                ],
+                dtype=torch.float64,
+            )
+        ).tolist()
+        pg, cf, ent, akl, ntok, rsum, nseq, lsum, ntrunc, klsum, nfmt, neq, ngroups = totals
+        gen_tokens = int(lsum)
+        counters["generated_tokens"] += gen_tokens
+        counters["step"] = step + 1
+        metrics.update(
+            {
+                "reward": rsum / nseq,
+                "format_rate": nfmt / nseq,
+                "response_len": lsum / nseq,
+                "truncated": ntrunc / nseq,
+                "kl_ref": klsum / max(lsum, 1),
+                "pg_loss": pg / ntok,
+                "clipfrac": cf / ntok,
+                "entropy": ent / ntok,
+                "approx_kl": akl / ntok,
+                "groups_all_equal": neq / ngroups,
+                "grad_norm": sums["grad_norm"] / (args.update_epochs * args.num_minibatches),
+                "lr": scheduler.get_last_lr()[0],
+                "generated_tokens": counters["generated_tokens"],
+                "time/rollout": t_rollout,
+                "time/update": t_update,
+                "time/step": time.time() - t0,
+                "tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
+            }
+        )
+        if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
+            res = run_eval("val", args.eval_size)
+            metrics.update(
+                {
+                    "val/accuracy": res["accuracy"],
+                    "val/ci_low": res["ci95"][0],
+                    "val/ci_high": res["ci95"][1],
+                    "val/format_rate": res["format_rate"],
+                    "val/seconds": res["seconds"],
+                }
+            )
+        logger.log(counters["step"], metrics)
+        bar.set_postfix(
+            reward=f"{metrics['reward']:.3f}",
+            len=f"{metrics['response_len']:.0f}",
+            **({"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}),
+        )
+        bar.update(1)
+
+        # ==================================================================================================
+        # checkpoint
+        # ==================================================================================================
+        if stopper.should_stop(device):
+            save()
+            if dist_.main:
+                print(
+                    f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
+                    f"checkpoint in {run_dir / common.CHECKPOINT}; continue with --resume",
+                    flush=True,
+                )
+            return
+        if args.save_every and counters["step"] % args.save_every == 0:
+            save()
+    bar.close()
+
+    # final: a checkpoint, the validation and test accuracy, results.json
+    save()
+    val = run_eval("val", args.eval_size)
+    logger.log(
+        counters["step"], {"val/accuracy": val["accuracy"], "val/ci_low": val["ci95"][0], "val/ci_high": val["ci95"][1]}
+    )
+    test = run_eval("test", args.test_size)
+    counters["wall_time"] = time.time() - t_start
+    if dist_.main:
+        results = {
+            "method": "grpo",
+            "critic": "group",
+            "seed": args.seed,
+            "steps": counters["step"],
+            "test": test,
+            "val": val,
+            "generated_tokens": counters["generated_tokens"],
+            "mc_tokens": counters["mc_tokens"],
+            "eval_tokens": counters["eval_tokens"],
+            "wall_time_s": counters["wall_time"],
+            "critic_params": 0,
+            "device": common.device_description(device, world),
+            "date": time.strftime("%Y-%m-%d"),
+            "args": args_dict,
+            "scaled_down": scaled,
+        }
+        common.write_json_atomic(run_dir / "results.json", results)
+        lo_, hi_ = test["ci95"]
+        print(
+            f"test accuracy {100 * test['accuracy']:.1f}% [{100 * lo_:.1f}, {100 * hi_:.1f}] on {test['n']} problems "
+            f"after {counters['step']} steps ({run_dir / 'results.json'})",
+            flush=True,
+        )
+    logger.close()
+
+
+if __name__ == "__main__":
+    common.run_main(main)
