@@ -322,9 +322,10 @@ def normalize_number(text: str) -> str | None:
     s = text.strip().replace("\\$", "$").replace("\\%", "%").replace("{,}", ",").replace("\\!", "")
     if len(s) > _MAX_NUMBER_CHARS or not s:
         return None
-    sign = ""
-    for _ in range(2):  # sign and currency in either order: -$5, $-5
-        if s[:1] in "+-" and s[:1]:
+    sign, signed = "", False
+    for _ in range(2):  # sign and currency in either order: -$5, $-5; one sign at most ('--5' is not a number)
+        if s[:1] in "+-" and s[:1] and not signed:
+            signed = True
             sign, s = ("-" if s[0] == "-" else ""), s[1:].lstrip()
         if s[:1] == "$":
             s = s[1:].lstrip()
@@ -350,7 +351,7 @@ def normalize_number(text: str) -> str | None:
         return None
     if value == value.to_integral_value():
         return str(int(value))
-    return format(value.normalize(), "f")
+    return format(value, "f").rstrip("0")  # exact: normalize() would round to the context's 28 digits
 
 
 def _number_after_marker(text: str, i: int) -> str | None:
@@ -364,6 +365,8 @@ def _number_after_marker(text: str, i: int) -> str | None:
     token = text[i:j].rstrip(" ,.\\")
     if j < n and j - i <= _MAX_NUMBER_CHARS and text[j].isalnum() and not text[j - 1] == " ":
         return None  # '#### 72kg', '#### 3x': not a plain number
+    if j < n and j - i <= _MAX_NUMBER_CHARS and text[j] in "/^{":
+        return None  # '#### 3/4', '#### 2^10', '#### 1{,}000': not the first number of it
     return normalize_number(token) if token else None
 
 
