@@ -958,12 +958,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, global_: bool = False) -> t
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, global_: bool = False) -> torch.Tensor:
     """Unbiased variance of x over mask == 1 (n / (n - 1) correction, as in the N implementation details)."""
-    s = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum().to(x.dtype)]).detach()
+    dtype, x, mask = x.dtype, x.detach().double(), mask.double()  # fp64 sums: E[x^2] - E[x]^2 cancels in fp32
+    s = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum()])
     if global_:
         s = all_reduce_sum(s)
-    n = s[2].clamp(min=2)
+    n = s[2].clamp(min=1)
     mean = s[0] / n
-    return (s[1] / n - mean**2).clamp(min=0) * n / (n - 1)
+    return ((s[1] / n - mean**2).clamp(min=0) * n / (n - 1).clamp(min=1)).to(dtype)  # 0 for fewer than 2 values
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, global_: bool = False) -> torch.Tensor:
