@@ -1073,6 +1073,8 @@ def dpo_loss(
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     """The learning-rate multiplier at an optimiser step: linear warmup, then constant, linear or cosine decay."""
+    if schedule not in ("constant", "linear", "cosine"):  # checked at every step: LambdaLR first calls step 0
+        raise UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -1080,9 +1082,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
     if schedule == "linear":
         return 1.0 - frac
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * frac))
-    raise UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
+    return 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine
 
 
 # ======================================================================================================
