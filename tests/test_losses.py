@@ -111,7 +111,9 @@ def test_token_logprobs_from_hidden(N, H, V, chunk, temperature):
     assert not ent.requires_grad
     # also the logits path used elsewhere
     assert torch.allclose(
-        common.token_logprobs_from_logits(h2.detach() @ w2.detach().T, targets, temperature), ref_logp.detach(), atol=1e-5
+        common.token_logprobs_from_logits(h2.detach() @ w2.detach().T, targets, temperature),
+        ref_logp.detach(),
+        atol=1e-5,
     )
 
 
