@@ -322,9 +322,10 @@ def normalize_number(text: str) -> str | None:
     s = text.strip().replace("\\$", "$").replace("\\%", "%").replace("{,}", ",").replace("\\!", "")
     if len(s) > _MAX_NUMBER_CHARS or not s:
         return None
-    sign = ""
-    for _ in range(2):  # sign and currency in either order: -$5, $-5
-        if s[:1] in "+-" and s[:1]:
+    sign, signed = "", False
+    for _ in range(2):  # sign and currency in either order: -$5, $-5; one sign at most ('--5' is not a number)
+        if s[:1] in "+-" and s[:1] and not signed:
+            signed = True
             sign, s = ("-" if s[0] == "-" else ""), s[1:].lstrip()
         if s[:1] == "$":
             s = s[1:].lstrip()
@@ -350,7 +351,7 @@ def normalize_number(text: str) -> str | None:
         return None
     if value == value.to_integral_value():
         return str(int(value))
-    return format(value.normalize(), "f")
+    return format(value, "f").rstrip("0")  # exact: normalize() would round to the context's 28 digits
 
 
 def _number_after_marker(text: str, i: int) -> str | None:
@@ -364,6 +365,8 @@ def _number_after_marker(text: str, i: int) -> str | None:
     token = text[i:j].rstrip(" ,.\\")
     if j < n and j - i <= _MAX_NUMBER_CHARS and text[j].isalnum() and not text[j - 1] == " ":
         return None  # '#### 72kg', '#### 3x': not a plain number
+    if j < n and j - i <= _MAX_NUMBER_CHARS and text[j] in "/^{":
+        return None  # '#### 3/4', '#### 2^10', '#### 1{,}000': not the first number of it
     return normalize_number(token) if token else None
 
 
@@ -988,12 +991,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, global_: bool = False) -> t
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, global_: bool = False) -> torch.Tensor:
     """Unbiased variance of x over mask == 1 (n / (n - 1) correction, as in the N implementation details)."""
-    s = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum().to(x.dtype)]).detach()
+    dtype, x, mask = x.dtype, x.detach().double(), mask.double()  # fp64 sums: E[x^2] - E[x]^2 cancels in fp32
+    s = torch.stack([masked_sum(x, mask), masked_sum(x * x, mask), mask.sum()])
     if global_:
         s = all_reduce_sum(s)
-    n = s[2].clamp(min=2)
+    n = s[2].clamp(min=1)
     mean = s[0] / n
-    return (s[1] / n - mean**2).clamp(min=0) * n / (n - 1)
+    return ((s[1] / n - mean**2).clamp(min=0) * n / (n - 1).clamp(min=1)).to(dtype)  # 0 for fewer than 2 values
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, global_: bool = False) -> torch.Tensor:
@@ -1120,6 +1124,8 @@ def dpo_loss(
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     """The learning-rate multiplier at an optimiser step: linear warmup, then constant, linear or cosine decay."""
+    if schedule not in ("constant", "linear", "cosine"):  # checked at every step: LambdaLR first calls step 0
+        raise UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -1127,9 +1133,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
     if schedule == "linear":
         return 1.0 - frac
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * frac))
-    raise UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
+    return 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine
 
 
 # ======================================================================================================

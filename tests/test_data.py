@@ -1,0 +1,158 @@
+"""GSM8K loading (sizes, the fixed validation split, errors that name the file and line) and PromptSampler."""
+
+import json
+import random
+from collections import Counter
+
+import pytest
+
+import common
+
+
+@pytest.fixture(scope="module")
+def splits(gsm8k_dir):
+    return common.load_gsm8k(str(gsm8k_dir))
+
+
+def _key(p: common.Problem) -> tuple[str, str]:
+    return (p.question, p.solution)
+
+
+def test_split_sizes(splits):
+    assert {k: len(v) for k, v in splits.items()} == {"train": 6973, "val": 500, "test": 1319}
+
+
+def test_val_is_carved_out_of_train(splits, gsm8k_dir):
+    raw = [json.loads(line) for line in (gsm8k_dir / "train.jsonl").read_text(encoding="utf-8").splitlines()]
+    raw_keys = Counter((r["question"], r["answer"]) for r in raw)
+    train, val = Counter(map(_key, splits["train"])), Counter(map(_key, splits["val"]))
+    assert not set(train) & set(val)
+    assert train + val == raw_keys  # nothing lost, nothing duplicated
+
+
+def test_gold_is_the_marked_answer(splits):
+    for p in splits["train"][:50] + splits["test"][:50]:
+        marked = p.solution.rsplit("####", 1)[1].strip().replace(",", "")
+        assert p.gold == marked
+
+
+def test_val_is_fixed_and_depends_only_on_val_seed(splits, gsm8k_dir, tmp_path):
+    random.seed(12345)  # the global RNG must not matter
+    again = common.load_gsm8k(str(gsm8k_dir))
+    assert list(map(_key, again["val"])) == list(map(_key, splits["val"]))
+    # another test split in the folder changes nothing in val
+    (tmp_path / "train.jsonl").symlink_to((gsm8k_dir / "train.jsonl").resolve())
+    (tmp_path / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
+    other_folder = common.load_gsm8k(str(tmp_path))
+    assert list(map(_key, other_folder["val"])) == list(map(_key, splits["val"]))
+    other_seed = common.load_gsm8k(str(tmp_path), val_seed=1)
+    assert set(map(_key, other_seed["val"])) != set(map(_key, splits["val"]))
+    assert len(other_seed["val"]) == 500
+
+
+GOOD = json.dumps({"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"})
+
+
+def _write(folder, train_lines, test_lines=(GOOD,)):
+    (folder / "train.jsonl").write_text("\n".join(train_lines) + "\n")
+    (folder / "test.jsonl").write_text("\n".join(test_lines) + "\n")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        '{"question": "q", "answer": "#### 4"',  # bad JSON
+        json.dumps({"question": "q"}),  # missing key
+        json.dumps({"question": "q", "answer": "the answer is 4"}),  # no '#### N'
+        json.dumps({"question": "q", "answer": "#### four"}),
+        json.dumps({"question": 3, "answer": "#### 4"}),  # not a string
+        json.dumps(["q", "#### 4"]),  # not an object
+    ],
+)
+def test_malformed_line_names_file_and_line(tmp_path, bad):
+    # the bad row is on line 4 of the file (a blank line 3 is skipped but still counted)
+    _write(tmp_path, [GOOD, GOOD, "", bad, GOOD])
+    with pytest.raises(common.UserError) as e:
+        common.load_gsm8k(str(tmp_path), val_size=1)
+    assert f"{tmp_path / 'train.jsonl'}:4:" in str(e.value)
+
+
+def test_malformed_test_line(tmp_path):
+    _write(tmp_path, [GOOD, GOOD], [GOOD, "not json"])
+    with pytest.raises(common.UserError, match=r"test\.jsonl:2:"):
+        common.load_gsm8k(str(tmp_path), val_size=1)
+
+
+def test_small_folder_loads(tmp_path):
+    _write(tmp_path, [GOOD, GOOD, GOOD])
+    out = common.load_gsm8k(str(tmp_path), val_size=1)
+    assert (len(out["train"]), len(out["val"]), len(out["test"])) == (2, 1, 1)
+    assert out["test"][0].gold == "4"
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(common.UserError, match="does not exist"):
+        common.load_gsm8k(str(tmp_path / "nowhere"))
+
+
+def test_missing_file(tmp_path):
+    _write(tmp_path, [GOOD, GOOD])
+    (tmp_path / "test.jsonl").unlink()
+    with pytest.raises(common.UserError, match="test.jsonl"):
+        common.load_gsm8k(str(tmp_path), val_size=1)
+
+
+@pytest.mark.parametrize("which", ["train", "test"])
+def test_empty_split(tmp_path, which):
+    _write(tmp_path, [GOOD, GOOD], [GOOD])
+    (tmp_path / f"{which}.jsonl").write_text("\n\n")
+    with pytest.raises(common.UserError, match=which):
+        common.load_gsm8k(str(tmp_path), val_size=0)
+
+
+def test_val_size_too_large(tmp_path):
+    _write(tmp_path, [GOOD, GOOD])
+    with pytest.raises(common.UserError, match="val-size"):
+        common.load_gsm8k(str(tmp_path), val_size=2)
+
+
+# ---------------------------------------------------------------------------------------------- PromptSampler
+
+
+def _draw(sampler, total, k):
+    out = []
+    while len(out) < total:
+        out += sampler.next(k)
+    return out[:total]
+
+
+@pytest.mark.parametrize("n,k", [(10, 3), (7, 7), (5, 12), (1, 2)])
+def test_sampler_covers_every_index_once_per_epoch(n, k):
+    seq = _draw(common.PromptSampler(n, seed=3), 4 * n, k)
+    for e in range(4):
+        assert sorted(seq[e * n : (e + 1) * n]) == list(range(n))
+
+
+def test_sampler_batches_have_the_asked_size():
+    s = common.PromptSampler(10, seed=0)
+    assert [len(s.next(k)) for k in (3, 4, 10, 25)] == [3, 4, 10, 25]
+
+
+def test_sampler_is_deterministic_and_seeded():
+    a = _draw(common.PromptSampler(50, seed=1), 200, 7)
+    b = _draw(common.PromptSampler(50, seed=1), 200, 7)
+    c = _draw(common.PromptSampler(50, seed=2), 200, 7)
+    assert a == b
+    assert a != c
+    assert a[:50] != a[50:100]  # each epoch is reshuffled
+
+
+@pytest.mark.parametrize("steps", [0, 1, 7, 8, 23])
+def test_sampler_state_round_trips(steps):
+    a = common.PromptSampler(16, seed=5)
+    for _ in range(steps):
+        a.next(5)
+    state = json.loads(json.dumps(a.state_dict()))  # the checkpoint stores it as JSON
+    b = common.PromptSampler(16, seed=5)
+    b.load_state_dict(state)
+    assert _draw(b, 60, 5) == _draw(a, 60, 5)

@@ -1,0 +1,46 @@
+"""encode_prompt: the model's chat template with the fixed instruction; clear errors otherwise."""
+
+import copy
+
+import pytest
+
+import common
+
+QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
+
+
+def test_chat_prompt_is_the_chat_template(tiny_tokenizer):
+    ids = common.encode_prompt(tiny_tokenizer, "  " + QUESTION + "\n")
+    messages = [{"role": "user", "content": f"{QUESTION}\n\n{common.INSTRUCTION}"}]
+    expected = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(expected, "keys"):
+        expected = expected["input_ids"]
+    assert ids == list(expected)
+    assert all(isinstance(i, int) for i in ids)
+    text = tiny_tokenizer.decode(ids)
+    assert QUESTION in text and common.INSTRUCTION in text
+    assert text.rstrip().endswith("<|im_start|>assistant")  # the model answers next
+    assert text.index(QUESTION) < text.index(common.INSTRUCTION)
+
+
+def test_no_chat_template_needs_plain(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = None
+    with pytest.raises(common.UserError, match="plain"):
+        common.encode_prompt(tok, QUESTION)
+    ids = common.encode_prompt(tok, QUESTION, prompt_format="plain")
+    text = tok.decode(ids)
+    assert QUESTION in text and common.INSTRUCTION in text
+    assert "<|im_start|>" not in text
+    assert text.rstrip().endswith("Answer:")
+
+
+def test_unknown_prompt_format(tiny_tokenizer):
+    with pytest.raises(common.UserError, match="prompt-format"):
+        common.encode_prompt(tiny_tokenizer, QUESTION, prompt_format="fewshot")
+
+
+def test_pad_token_is_not_eos(tiny_tokenizer):
+    assert tiny_tokenizer.pad_token_id is not None
+    assert tiny_tokenizer.pad_token_id != tiny_tokenizer.eos_token_id
+    assert tiny_tokenizer.padding_side == "left"
