@@ -32,7 +32,7 @@ TINY = {
 }
 
 
-def gsm8k_dir() -> str:
+def require_gsm8k_dir() -> str:
     """$GSM8K_DIR, or skip: the trainers read GSM8K even on the toy task."""
     path = os.environ.get("GSM8K_DIR")
     if not path or not Path(path).is_dir():
@@ -41,7 +41,7 @@ def gsm8k_dir() -> str:
 
 
 def trainer_env() -> dict[str, str]:
-    env = dict(os.environ, GSM8K_DIR=gsm8k_dir(), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, GSM8K_DIR=require_gsm8k_dir(), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("RANK", None)  # one process, whatever the test runner's environment says
     return env
 
