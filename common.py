@@ -1253,17 +1253,22 @@ def evaluate(
 # ======================================================================================================
 
 
-def apply_cpu_scale(args: Any, device: torch.device, overrides: dict[str, Any]) -> list[str]:
+def apply_cpu_scale(
+    args: Any, device: torch.device, overrides: dict[str, Any], argv: Sequence[str] | None = None
+) -> list[str]:
     """On a machine without a GPU (--scale auto) or with --scale cpu, shrink the settings that were left at
-    their defaults so the same command finishes in minutes; returns what changed, to print at the start."""
+    their defaults so the same command finishes in minutes; returns what changed, to print at the start.
+    A flag given on the command line (argv, default sys.argv) is never changed, even when it equals the default."""
     if args.scale == "study" or (args.scale == "auto" and device.type == "cuda"):
         return []
     if args.scale not in ("auto", "cpu", "study"):
         raise UserError(f"unknown --scale {args.scale!r}: use auto, study or cpu")
     defaults = {f.name: f.default for f in dataclasses.fields(type(args))}
+    argv = sys.argv[1:] if argv is None else argv
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     changed = []
     for key, value in overrides.items():
-        if getattr(args, key) == defaults[key] and value != defaults[key]:
+        if key not in given and getattr(args, key) == defaults[key] and value != defaults[key]:
             setattr(args, key, value)
             changed.append(f"{key} {defaults[key]} -> {value}")
     return changed
