@@ -1296,15 +1296,27 @@ def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scal
 class MetricsLogger:
     """Appends one JSON line per step to run_dir/metrics.jsonl (and TensorBoard scalars when installed)."""
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None) -> None:
+        """resume_step: the checkpoint's step. Rows a killed run logged after it are dropped, as the resumed
+        run logs those steps again (a half-written last line goes too)."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
+        if enabled and resume_step is not None and self.path.is_file():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line + "\n")
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
         if enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tb"))
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
             except Exception:  # tensorboard not installed
                 self.tb = None
 

@@ -152,12 +152,17 @@ def test_resume_with_a_different_essential_argument_is_refused(finished_run, tmp
     assert tree_digest(run_dir) == before
 
 
-def test_resume_with_more_total_steps_is_allowed(finished_run, tmp_path):
+def test_resume_with_more_total_steps_continues_the_curve(finished_run, tmp_path):
     run_dir = copy_run(finished_run, tmp_path)
+    # What a run killed after its last checkpoint (step 1) leaves: a later step logged, a half-written line.
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "reward": -1.0}) + "\n" + '{"step": 3, "rew')
     check_ok(run_trainer("ppo.py", cli(run_dir, **{**SMALL_RUN, "total_steps": 2}, resume=True)))
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 2
-    assert [r["step"] for r in read_metrics(run_dir) if "reward" in r] == [1, 2]
+    rows = [r for r in read_metrics(run_dir) if "reward" in r]
+    assert [r["step"] for r in rows] == [1, 2], "each step must be logged once"
+    assert rows[1]["reward"] >= 0
 
 
 def test_a_new_run_in_a_folder_with_a_checkpoint_is_refused(finished_run, tmp_path):
