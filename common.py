@@ -1516,7 +1516,7 @@ def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool) -> None:
     has_ckpt = (run_dir / CHECKPOINT).is_dir()
     if resume and not has_ckpt:
         raise UserError(f"--resume: no checkpoint in {run_dir}")
-    if not resume and (has_ckpt or (run_dir / "results.json").exists()):
+    if not resume and (has_ckpt or (run_dir / "results.json").exists() or (run_dir / "metrics.jsonl").exists()):
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

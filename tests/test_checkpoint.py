@@ -173,6 +173,17 @@ def test_a_new_run_in_a_folder_with_a_checkpoint_is_refused(finished_run, tmp_pa
     assert tree_digest(run_dir) == before
 
 
+def test_a_new_run_in_a_folder_with_metrics_of_another_run_is_refused(tmp_path):
+    # A run that died before its first checkpoint leaves metrics.jsonl: a new run must not append to it.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+    before = tree_digest(run_dir)
+    line = check_one_error_line(run_trainer("ppo.py", cli(run_dir, **SMALL_RUN)))
+    assert str(run_dir) in line
+    assert tree_digest(run_dir) == before
+
+
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
     line = check_one_error_line(run_trainer("ppo.py", cli(tmp_path / "empty", **SMALL_RUN, resume=True)))
     assert "no checkpoint" in line
