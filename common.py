@@ -1308,17 +1308,22 @@ def evaluate(
 # ======================================================================================================
 
 
-def apply_cpu_scale(args: Any, device: torch.device, overrides: dict[str, Any]) -> list[str]:
+def apply_cpu_scale(
+    args: Any, device: torch.device, overrides: dict[str, Any], argv: Sequence[str] | None = None
+) -> list[str]:
     """On a machine without a GPU (--scale auto) or with --scale cpu, shrink the settings that were left at
-    their defaults so the same command finishes in minutes; returns what changed, to print at the start."""
+    their defaults so the same command finishes in minutes; returns what changed, to print at the start.
+    A flag given on the command line (argv, default sys.argv) is never changed, even when it equals the default."""
     if args.scale == "study" or (args.scale == "auto" and device.type == "cuda"):
         return []
     if args.scale not in ("auto", "cpu", "study"):
         raise UserError(f"unknown --scale {args.scale!r}: use auto, study or cpu")
     defaults = {f.name: f.default for f in dataclasses.fields(type(args))}
+    argv = sys.argv[1:] if argv is None else argv
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     changed = []
     for key, value in overrides.items():
-        if getattr(args, key) == defaults[key] and value != defaults[key]:
+        if key not in given and getattr(args, key) == defaults[key] and value != defaults[key]:
             setattr(args, key, value)
             changed.append(f"{key} {defaults[key]} -> {value}")
     return changed
@@ -1346,15 +1351,27 @@ def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scal
 class MetricsLogger:
     """Appends one JSON line per step to run_dir/metrics.jsonl (and TensorBoard scalars when installed)."""
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None) -> None:
+        """resume_step: the checkpoint's step. Rows a killed run logged after it are dropped, as the resumed
+        run logs those steps again (a half-written last line goes too)."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
+        if enabled and resume_step is not None and self.path.is_file():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line + "\n")
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
         if enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tb"))
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
             except Exception:  # tensorboard not installed
                 self.tb = None
 
@@ -1554,7 +1571,7 @@ def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool) -> None:
     has_ckpt = (run_dir / CHECKPOINT).is_dir()
     if resume and not has_ckpt:
         raise UserError(f"--resume: no checkpoint in {run_dir}")
-    if not resume and (has_ckpt or (run_dir / "results.json").exists()):
+    if not resume and (has_ckpt or (run_dir / "results.json").exists() or (run_dir / "metrics.jsonl").exists()):
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

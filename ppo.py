@@ -265,7 +265,7 @@ def main() -> None:
             flush=True,
         )
     stopper = common.StopSignal()
-    logger = common.MetricsLogger(run_dir, dist_.main)
+    logger = common.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
     ctx = common.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]

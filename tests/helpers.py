@@ -1,0 +1,117 @@
+"""Run a trainer as a subprocess with tiny settings and read what it wrote. Imported by the end-to-end tests.
+
+Kept out of conftest.py on purpose: plain functions, no fixtures, so that it merges with any conftest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A run that takes a few seconds on one CPU core: tiny model, short completions, small evaluations.
+TINY = {
+    "model": "tiny",
+    "batch-size": 8,
+    "max-new-tokens": 16,
+    "micro-batch-size": 8,
+    "num-minibatches": 2,
+    "mc-every": 0,
+    "eval-every": 0,
+    "eval-size": 8,
+    "test-size": 8,
+    "eval-max-new-tokens": 8,
+}
+
+
+def require_gsm8k_dir() -> str:
+    """$GSM8K_DIR, or skip: the trainers read GSM8K even on the toy task."""
+    path = os.environ.get("GSM8K_DIR")
+    if not path or not Path(path).is_dir():
+        pytest.skip("set GSM8K_DIR to a folder with GSM8K's train.jsonl and test.jsonl")
+    return path
+
+
+def trainer_env() -> dict[str, str]:
+    env = dict(os.environ, GSM8K_DIR=require_gsm8k_dir(), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("RANK", None)  # one process, whatever the test runner's environment says
+    return env
+
+
+def cli(run_dir: Path | str, base: dict | None = None, **flags) -> list[str]:
+    """Command-line flags: TINY (or `base`), then `flags` (underscores become hyphens; None drops a flag).
+
+    A True value is a bare switch; every run gets --no-progress so that stderr stays empty.
+    """
+    merged = dict(TINY if base is None else base)
+    merged.update({k.replace("_", "-"): v for k, v in flags.items()})
+    out = ["--run-dir", str(run_dir), "--no-progress"]
+    for key, value in merged.items():
+        if value is None:
+            continue
+        out += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return out
+
+
+def command(script: str, args: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / script), *args]
+
+
+def run_trainer(script: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python script args` from the repository root; returns the finished process (never raises on rc)."""
+    return subprocess.run(
+        command(script, args), cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def start_trainer(script: str, args: list[str], log) -> subprocess.Popen:
+    """Start a trainer in the background, stdout and stderr into the open file `log` (a pipe could fill up)."""
+    return subprocess.Popen(command(script, args), cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
+
+
+def check_one_error_line(proc: subprocess.CompletedProcess) -> str:
+    """A user error: non-zero exit, exactly one line on stderr starting 'error:', no traceback. Returns it."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0, f"expected a failure, got exit 0\nstdout:\n{proc.stdout[-2000:]}"
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), f"stderr is not one 'error:' line:\n{proc.stderr}"
+    return lines[0]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every row of run_dir/metrics.jsonl."""
+    with open(Path(run_dir) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def step_rows(run_dir: Path) -> list[dict]:
+    """The per-step training rows (those with a reward), in order."""
+    return [row for row in read_metrics(run_dir) if "reward" in row]
+
+
+def is_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def tree_digest(folder: Path) -> dict[str, str]:
+    """SHA-256 of every file under folder, by relative path: equal digests mean nothing was touched."""
+    folder = Path(folder)
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }

@@ -1,0 +1,257 @@
+"""Checkpoints: written atomically, loadable by plain transformers and torch.load(weights_only=True), refused
+when damaged or mismatched (and then left untouched), and a SIGTERM + --resume that ends bitwise where a
+straight run ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import check_ok, check_one_error_line, cli, read_metrics, run_trainer, start_trainer, tree_digest
+
+import common
+from critics import build_critic
+
+# One step on the toy task with a large learning rate: the policy, critic and optimizer state all move.
+SMALL_RUN = dict(task="toy", critic="small", lr=1e-3, kl_coef=0.04, total_steps=1)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished one-step run with a checkpoint; tests copy it before changing anything."""
+    run_dir = tmp_path_factory.mktemp("ckpt") / "run"
+    check_ok(run_trainer("ppo.py", cli(run_dir, **SMALL_RUN)))
+    return run_dir
+
+
+def copy_run(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ------------------------------------------------------------------------------------------------------
+# save_checkpoint in process
+# ------------------------------------------------------------------------------------------------------
+
+
+def tiny_training_state(seed: int = 0):
+    tok = common.load_tokenizer("tiny")
+    policy = common.load_model("tiny", tok, seed=seed)
+    critic = build_critic("small", policy.config.hidden_size)
+    opt = torch.optim.AdamW([{"params": policy.parameters()}, {"params": critic.parameters()}], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ids = torch.randint(3, 1000, (2, 6), generator=torch.Generator().manual_seed(seed))
+    lp, _, values = common.PolicyForward(policy, critic)(ids, torch.ones_like(ids), 3)
+    (lp.sum() + values.pow(2).sum() - values.sum()).backward()
+    opt.step()
+    sched.step()
+    return tok, policy, critic, opt, sched
+
+
+def save(run_dir: Path, state, step: int) -> Path:
+    tok, policy, critic, opt, sched = state
+    return common.save_checkpoint(
+        run_dir,
+        policy=policy,
+        tokenizer=tok,
+        critic=critic,
+        optimizer=opt,
+        scheduler=sched,
+        state={"counters": {"step": step}},
+        args={"lr": 1e-3},
+    )
+
+
+def test_save_is_atomic_and_the_policy_loads_with_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    state = tiny_training_state()
+    tok, policy = state[0], state[1]
+    for step in (1, 2):  # the second save replaces the first
+        path = save(tmp_path, state, step)
+        assert path == tmp_path / common.CHECKPOINT
+        assert sorted(p.name for p in tmp_path.iterdir()) == [common.CHECKPOINT], "a temporary folder was left"
+        assert json.loads((path / "state.json").read_text())["counters"]["step"] == step
+    manifest = json.loads((path / "manifest.json").read_text())
+    files = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
+    assert set(manifest) == files - {"manifest.json"}
+    assert {"policy/model.safetensors", "critic.safetensors", "optimizer.pt", "state.json", "args.json"} <= files
+    common.verify_checkpoint(path)
+
+    loaded = AutoModelForCausalLM.from_pretrained(path / "policy").eval()
+    ids = torch.randint(3, len(tok), (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, policy.eval()(input_ids=ids).logits)
+    assert AutoTokenizer.from_pretrained(path / "policy").pad_token_id == tok.pad_token_id
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    state = tiny_training_state()
+    path = save(tmp_path, state, 1)
+    before = tree_digest(path)
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save(tmp_path, state, 2)
+    assert tree_digest(path) == before
+    common.verify_checkpoint(path)
+
+
+def test_every_pt_file_loads_with_weights_only(finished_run):
+    pt_files = sorted((finished_run / common.CHECKPOINT).rglob("*.pt"))
+    assert {p.name for p in pt_files} >= {"optimizer.pt", "scheduler.pt", "rng.pt"}
+    for p in pt_files:
+        torch.load(p, weights_only=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# refusals: one line on stderr, nothing touched
+# ------------------------------------------------------------------------------------------------------
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flipped policy weights": lambda ckpt: flip_byte(ckpt / "policy" / "model.safetensors"),
+    "flipped critic weights": lambda ckpt: flip_byte(ckpt / "critic.safetensors"),
+    "deleted optimizer.pt": lambda ckpt: (ckpt / "optimizer.pt").unlink(),
+    "garbled manifest": lambda ckpt: (ckpt / "manifest.json").write_text("{not json"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_refused_and_left_in_place(finished_run, tmp_path, damage):
+    run_dir = copy_run(finished_run, tmp_path)
+    ckpt = run_dir / common.CHECKPOINT
+    DAMAGE[damage](ckpt)
+    before = tree_digest(run_dir)
+    line = check_one_error_line(run_trainer("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
+    assert str(ckpt) in line and "damaged" in line
+    assert tree_digest(run_dir) == before
+
+
+def test_resume_with_a_different_essential_argument_is_refused(finished_run, tmp_path):
+    run_dir = copy_run(finished_run, tmp_path)
+    before = tree_digest(run_dir)
+    line = check_one_error_line(run_trainer("ppo.py", cli(run_dir, **{**SMALL_RUN, "lr": 2e-3}, resume=True)))
+    assert str(run_dir) in line and "lr" in line
+    assert tree_digest(run_dir) == before
+
+
+def test_resume_with_more_total_steps_continues_the_curve(finished_run, tmp_path):
+    run_dir = copy_run(finished_run, tmp_path)
+    # What a run killed after its last checkpoint (step 1) leaves: a later step logged, a half-written line.
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "reward": -1.0}) + "\n" + '{"step": 3, "rew')
+    check_ok(run_trainer("ppo.py", cli(run_dir, **{**SMALL_RUN, "total_steps": 2}, resume=True)))
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["steps"] == 2
+    rows = [r for r in read_metrics(run_dir) if "reward" in r]
+    assert [r["step"] for r in rows] == [1, 2], "each step must be logged once"
+    assert rows[1]["reward"] >= 0
+
+
+def test_a_new_run_in_a_folder_with_a_checkpoint_is_refused(finished_run, tmp_path):
+    run_dir = copy_run(finished_run, tmp_path)
+    before = tree_digest(run_dir)
+    line = check_one_error_line(run_trainer("ppo.py", cli(run_dir, **SMALL_RUN)))
+    assert str(run_dir) in line and "--resume" in line
+    assert tree_digest(run_dir) == before
+
+
+def test_a_new_run_in_a_folder_with_metrics_of_another_run_is_refused(tmp_path):
+    # A run that died before its first checkpoint leaves metrics.jsonl: a new run must not append to it.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+    before = tree_digest(run_dir)
+    line = check_one_error_line(run_trainer("ppo.py", cli(run_dir, **SMALL_RUN)))
+    assert str(run_dir) in line
+    assert tree_digest(run_dir) == before
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path):
+    line = check_one_error_line(run_trainer("ppo.py", cli(tmp_path / "empty", **SMALL_RUN, resume=True)))
+    assert "no checkpoint" in line
+
+
+# ------------------------------------------------------------------------------------------------------
+# SIGTERM mid-run, then --resume: bitwise the straight run
+# ------------------------------------------------------------------------------------------------------
+
+# Slow enough per step (~1 s on a CPU core) that SIGTERM lands mid-run; the toy task gives rewards that vary,
+# so the policy, the critic and Adam's moments all move.
+RESUME_RUN = dict(task="toy", critic="small", lr=1e-3, total_steps=4, batch_size=16, max_new_tokens=32)
+
+
+def load_final(run_dir: Path) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    ckpt = run_dir / common.CHECKPOINT
+    return load_file(ckpt / "policy" / "model.safetensors"), load_file(ckpt / "critic.safetensors")
+
+
+def wait_for_first_step(proc, run_dir: Path, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "the run ended before its first step was logged"
+        if (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip():
+            return
+        time.sleep(0.05)
+    raise AssertionError("no step logged in time")
+
+
+def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    check_ok(run_trainer("ppo.py", cli(straight, **RESUME_RUN)))
+
+    with open(tmp_path / "split.log", "w") as log:
+        proc = start_trainer("ppo.py", cli(split, **RESUME_RUN), log)
+        try:
+            wait_for_first_step(proc, split)
+            os.kill(proc.pid, signal.SIGTERM)
+            rc = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = (tmp_path / "split.log").read_text()
+    assert rc == 0, out[-3000:]
+    stopped_at = json.loads((split / common.CHECKPOINT / "state.json").read_text())["counters"]["step"]
+    assert f"stopped by SIGTERM after step {stopped_at}; checkpoint in {split / common.CHECKPOINT}" in out, out[-3000:]
+    assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
+    assert not (split / "results.json").exists()
+
+    check_ok(run_trainer("ppo.py", cli(split, **RESUME_RUN, resume=True)))
+
+    (pol_a, crit_a), (pol_b, crit_b) = load_final(straight), load_final(split)
+    assert pol_a.keys() == pol_b.keys() and crit_a.keys() == crit_b.keys()
+    for k in pol_a:
+        assert torch.equal(pol_a[k], pol_b[k]), f"policy {k} differs after resume"
+    for k in crit_a:
+        assert torch.equal(crit_a[k], crit_b[k]), f"critic {k} differs after resume"
+    # and the runs were not trivial: the policy moved from its init, the critic from its zero output layer
+    tok = common.load_tokenizer("tiny")
+    init = common.load_model("tiny", tok, seed=1).state_dict()
+    assert any(not torch.equal(init[k], pol_a[k]) for k in pol_a)
+    assert crit_a["out.weight"].abs().sum() > 0
+
+    # the resumed run continues the same curve: the same per-step numbers, each step logged once
+    keys = ("reward", "pg_loss", "vf_loss", "entropy", "approx_kl", "generated_tokens")
+    rows_a = [{k: r[k] for k in keys} for r in read_metrics(straight) if "reward" in r]
+    rows_b = [{k: r[k] for k in keys} for r in read_metrics(split) if "reward" in r]
+    assert rows_a == rows_b
+    assert json.loads((split / "results.json").read_text())["steps"] == 4
