@@ -884,9 +884,10 @@ def _llama_pre_attention(
     eps: float,
     n_heads: int,
     n_kv: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm, the fused q/k/v projection and RoPE.  x fp32 [n, S, H], cos/sin fp32 [n, S, 1, d]
-    -> q [n, S, heads, d], k and v [n, S, kv_heads, d], in the weights' dtype.
+    -> q [n, S, heads, d] and kv [2, n, kv_heads, S, d] (keys and values, as the cache holds them), in the
+    weights' dtype.
 
     The dtypes follow what training's bf16 autocast does in transformers' Llama: the residual stream and the
     norm in fp32, the projection in the compute dtype, RoPE in fp32 on the projection's output."""
@@ -896,7 +897,7 @@ def _llama_pre_attention(
     qk = qkv[..., : (n_heads + n_kv) * d].unflatten(-1, (n_heads + n_kv, d)).float()
     qk = (qk * cos + _rotate_half(qk) * sin).to(qkv.dtype)
     v = qkv[..., (n_heads + n_kv) * d :].unflatten(-1, (n_kv, d))
-    return qk[..., :n_heads, :], qk[..., n_heads:, :], v
+    return qk[..., :n_heads, :], torch.stack((qk[..., n_heads:, :], v)).transpose(2, 3)
 
 
 def _llama_post_attention(
@@ -1099,9 +1100,9 @@ class StaticEngine:
         x = F.embedding(ids, self.embed)  # fp32 [n, S, H]
         cos, sin = self._rope(pos)
         for i in range(self.n_layers):
-            q, k, v = pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv)
+            q, kv = pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv)
             cache = self.kv[i, :, :n]  # [2, n, kv_heads, L, d]
-            cache.index_copy_(3, slots, torch.stack((k, v)).transpose(2, 3))
+            cache.index_copy_(3, slots, kv)
             o = self._attend(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], bias)
             x = post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
         return F.rms_norm(x[:, -1], (self.hidden_size,), self.norm_w, self.eps)
@@ -1125,12 +1126,21 @@ class StaticEngine:
         self.h[:n] = self._forward(ids, pos, self.slot_ids[:P], allowed, _llama_pre_attention, _llama_post_attention)
 
     def _decode_step(
-        self, n: int, P: int, Lk: int, greedy: bool, temperature: float, top_p: float, eos_id: int, pad_id: int
+        self,
+        n: int,
+        P: int,
+        Lk: int,
+        greedy: bool,
+        temperature: float,
+        top_p: float,
+        eos_id: int,
+        pad_id: int,
+        hidden: bool,
     ) -> None:
         """One token for every row, reading and writing static buffers only (so it can be a CUDA graph)."""
         t = self.step  # [1], on the device
         h = self.h[:n]
-        if self.out_hidden is not None:
+        if hidden:
             self.out_hidden[:n].index_copy_(1, t, h[:, None])
         u = None if greedy else self.u[:n].index_select(1, t)[:, 0]
         token, logp = sample_tokens(self._logits(h), u, temperature, top_p)
@@ -1156,10 +1166,10 @@ class StaticEngine:
 
     def _step_fns(self, key: tuple, n: int, P: int, T: int) -> dict[int, Callable]:
         """{Lk: a callable that runs one decode step}: CUDA graph replays on a GPU, eager calls elsewhere."""
-        _, _, _, greedy, temperature, top_p, eos_id, pad_id, _ = key
+        _, _, _, greedy, temperature, top_p, eos_id, pad_id, hidden = key
 
         def eager(Lk: int) -> Callable:
-            return functools.partial(self._decode_step, n, P, Lk, greedy, temperature, top_p, eos_id, pad_id)
+            return functools.partial(self._decode_step, n, P, Lk, greedy, temperature, top_p, eos_id, pad_id, hidden)
 
         if not self.cuda_graph:
             return {Lk: eager(Lk) for Lk in self._chunk_lengths(P, T)}
@@ -1261,7 +1271,7 @@ class StaticEngine:
         self.out_tokens[:n].fill_(pad_id)
         self.out_logp[:n].zero_()
         self.out_mask[:n].zero_()
-        if self.out_hidden is not None:
+        if return_hidden:
             self.out_hidden[:n].zero_()
 
         self._prefill(ids, mask)

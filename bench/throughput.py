@@ -8,10 +8,10 @@ prompts. Sections, in the order they run (--sections picks some):
   generate  generated tokens/s at batch 512 x 256 new tokens (EOS ignored, so every method makes the same
             tokens): the static engine (CUDA graph, with and without torch.compile) vs generate() with
             its dynamic cache
+  hf_static the same with generate()'s static cache and torch.compile (it compiles for a minute or more)
   eval      the greedy evaluation over the whole test split (1,319 problems, <= 400 tokens), as trainers run it
   grpo      seconds per step of grpo.py vs TRL's GRPOTrainer, 64 prompts x 8 completions x 256 tokens
   ppo       seconds per step of ppo.py with the small critic at the same completions per step
-  hf_static generate() with a static cache and torch.compile (it compiles for a minute or more: run last)
   train     training forward + backward tokens/s, eager and (with --train-compile) compiled
 
 Peak GPU memory is reported for each. Prints a table of ratios against the targets and writes JSON (after
@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 
-SECTIONS = ("check", "generate", "eval", "grpo", "ppo", "hf_static", "train")
+SECTIONS = ("check", "generate", "hf_static", "eval", "grpo", "ppo", "train")
 
 # (ratio or measurement, comparison, target): the issue's targets, from one H200 run
 TARGETS = {
@@ -71,13 +71,15 @@ class Args:
     data_dir: str | None = None
     """GSM8K folder (default: $GSM8K_DIR)"""
     sections: str = ",".join(SECTIONS)
-    """comma-separated sections to run, from: check, generate, eval, grpo, ppo, hf_static, train"""
+    """comma-separated sections to run, from: check, generate, hf_static, eval, grpo, ppo, train"""
     out: str = "bench/out/throughput.json"
     """the JSON report"""
     work_dir: str = "bench/out/work"
     """trainer runs and logs"""
     deadline_s: float = 0.0
-    """skip the sections that would start after this many seconds (0: no limit)"""
+    """skip the sections (and trainer runs) that would start after this many seconds (0: no limit)"""
+    table_from: str | None = None
+    """only print the table of an existing JSON report (after a run stopped by its time limit)"""
     batch: int = 512
     """rows of the generation benchmark"""
     new_tokens: int = 256
@@ -97,7 +99,7 @@ class Args:
     update_args: str = "--update-epochs 1 --num-minibatches 4"
     """arguments given to both grpo.py and ppo.py so that their updates have the same structure"""
     grpo_args: str = "--rollouts-per-prompt {group} --batch-size {prompts}"
-    """grpo.py's own arguments ({prompts}, {group} filled in)"""
+    """grpo.py's own arguments ({prompts}, {group} filled in; pass as --grpo-args="...")"""
     ppo_args: str = "--critic small --rollouts-per-prompt 1 --batch-size {completions}"
     """ppo.py's own arguments ({completions} filled in)"""
     trl_steps: int = 3
@@ -193,6 +195,12 @@ class Bench:
 
     def peak_gib(self) -> float | None:
         return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
+
+    def over_deadline(self) -> str | None:
+        elapsed = time.perf_counter() - self.t_start
+        if self.args.deadline_s and elapsed > self.args.deadline_s:
+            return f"time budget: {elapsed:.0f} s > {self.args.deadline_s:.0f} s"
+        return None
 
     def save(self) -> None:
         self.report["ratios"] = ratios(self.report["sections"])
@@ -438,6 +446,8 @@ def run_trainer(b: Bench, script: str, extra: list[str], name: str) -> dict[str,
     """Run a trainer for a few steps in its own process; the median of its logged step times after warm-up."""
     if not (ROOT / script).is_file():
         return {"skipped": f"{script} is not on this branch"}
+    if b.over_deadline():
+        return {"skipped": b.over_deadline()}
     run_dir = Path(b.args.work_dir) / name
     if run_dir.exists():
         import shutil
@@ -497,6 +507,8 @@ def run_trl(b: Bench) -> dict[str, Any]:
     """TRL's GRPOTrainer at the same sizes, in its own process (bench/trl_grpo.py)."""
     if importlib.util.find_spec("trl") is None:
         return {"skipped": "trl is not installed (pip install -r bench/requirements.txt)"}
+    if b.over_deadline():
+        return {"skipped": b.over_deadline()}
     a = b.args
     model_dir = Path(a.work_dir) / "tiny-model"
     if a.tiny:  # TRL loads a folder: save the tiny model there
@@ -564,6 +576,11 @@ def section_train(b: Bench) -> dict[str, Any]:
 
 def main() -> None:
     args = tyro.cli(Args)
+    if args.table_from:
+        report = json.loads(Path(args.table_from).read_text())
+        report["ratios"] = ratios(report["sections"])
+        print_table(report)
+        return
     if args.tiny:
         apply_tiny(args)
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -575,18 +592,18 @@ def main() -> None:
     fns = {
         "check": section_check,
         "generate": section_generate,
+        "hf_static": section_hf_static,
         "eval": section_eval,
         "grpo": section_grpo,
         "ppo": section_ppo,
-        "hf_static": section_hf_static,
         "train": section_train,
     }
     for name in SECTIONS:  # always in this order
         if name not in chosen:
             continue
         elapsed = time.perf_counter() - b.t_start
-        if args.deadline_s and elapsed > args.deadline_s:
-            b.report["sections"][name] = {"skipped": f"time budget: {elapsed:.0f} s > {args.deadline_s:.0f} s"}
+        if b.over_deadline():
+            b.report["sections"][name] = {"skipped": b.over_deadline()}
             continue
         print(f"-- {name} ({elapsed:.0f} s in)", flush=True)
         t0 = time.perf_counter()
