@@ -201,16 +201,22 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @cuda
 def test_cuda_graph_logprobs_match_training_forward_in_bf16(lm, tok):
+    """In bf16 the engine's log-probs differ from the training forward's by rounding, no more than the plain
+    path's do (which computes bf16 logits under autocast)."""
     dev = torch.device("cuda")
     lm = lm.to(dev)
     prompts, T, pad = make_prompts(), 64, tok.pad_token_id
     u = common.step_uniforms(0, 0, 0, len(prompts), T, dev)
-    ro = common.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, engine="static")
-    P, m = ro.prompt_ids.shape[1], ro.response_mask
-    with torch.no_grad(), common.autocast_ctx(dev):
-        logp, _, _ = common.PolicyForward(lm)(ro.input_ids, ro.attention_mask, P)
-    diff = ((ro.logprobs - logp).abs() * m).sum() / m.sum()
-    assert diff < 0.02, f"mean |log-prob difference| {diff:.4f} is more than bf16 rounding"
+
+    def error(engine: str) -> float:
+        ro = common.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, engine=engine)
+        P, m = ro.prompt_ids.shape[1], ro.response_mask
+        with torch.no_grad(), common.autocast_ctx(dev):
+            logp, _, _ = common.PolicyForward(lm)(ro.input_ids, ro.attention_mask, P)
+        return (((ro.logprobs - logp).abs() * m).sum() / m.sum()).item()
+
+    ours, plain = error("static"), error("hf")
+    assert ours <= max(0.02, 1.5 * plain), f"mean |log-prob error|: engine {ours:.4f}, plain path {plain:.4f}"
 
 
 @cuda
