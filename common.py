@@ -759,7 +759,8 @@ def generate(
     if engine == "static":
         reason = static_engine_unsupported(lm)
         if reason is None:
-            return static_engine(lm).generate(prompts, **kwargs)
+            with torch.inference_mode(False):  # the engine's buffers outlive this call: no inference tensors
+                return static_engine(lm).generate(prompts, **kwargs)
         _notice_once(f"the static rollout engine runs Llama models only ({reason}): using transformers' generation")
     return _generate_hf(lm, prompts, **kwargs)
 
@@ -1227,7 +1228,7 @@ class StaticEngine:
         prompt_multiple: int = 1,
     ) -> Rollout:
         """What common.generate returns, computed over the static cache. Arguments as common.generate."""
-        with torch.autocast(self.device.type, enabled=False):
+        with torch.inference_mode(False), torch.autocast(self.device.type, enabled=False):
             return self._generate(
                 prompts, max_new_tokens, eos_id, pad_id, uniforms, temperature, top_p, return_hidden, prompt_multiple
             )
