@@ -1,0 +1,627 @@
+"""Throughput of rollouts and updates on one GPU, side by side with transformers' generate() and TRL.
+
+One process, one GPU, the same model (SmolLM2-135M, fp32 master weights, bf16 compute), the same GSM8K chat
+prompts. Sections, in the order they run (--sections picks some):
+
+  check     the engine's numerics in this dtype: greedy tokens against the plain path, sampled log-probs
+            against a training forward (the plain path's own error shown beside it)
+  generate  generated tokens/s at batch 512 x 256 new tokens (EOS ignored, so every method makes the same
+            tokens): the static engine (CUDA graph, with and without torch.compile) vs generate() with
+            its dynamic cache
+  hf_static the same with generate()'s static cache and torch.compile (it compiles for a minute or more)
+  eval      the greedy evaluation over the whole test split (1,319 problems, <= 400 tokens), as trainers run it
+  grpo      seconds per step of grpo.py vs TRL's GRPOTrainer, 64 prompts x 8 completions x 256 tokens
+  ppo       seconds per step of ppo.py with the small critic at the same completions per step
+  train     training forward + backward tokens/s, eager and (with --train-compile) compiled
+
+Peak GPU memory is reported for each. Prints a table of ratios against the targets and writes JSON (after
+every section, so a run stopped by its time limit keeps what it measured). Trainers run as subprocesses;
+their step time is the median 'time/step' of metrics.jsonl after the warm-up steps (graph capture and
+compilation happen there). TRL runs in its own process through bench/trl_grpo.py.
+
+    python bench/throughput.py                          # on a GPU: the packaged model, or $SMOLLM2_GGUF
+    python bench/throughput.py --device cpu --tiny      # every section at toy sizes (tests this script)
+    pip install -r bench/requirements.txt               # TRL, for the grpo section's comparison
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+
+SECTIONS = ("check", "generate", "hf_static", "eval", "grpo", "ppo", "train")
+
+# (ratio or measurement, comparison, target): the issue's targets, from one H200 run
+TARGETS = {
+    "engine_over_hf_static_compiled": (">=", 4.0),
+    "trl_step_over_grpo_step": (">=", 6.0),
+    "grpo_step_s": ("<=", 1.5),
+    "ppo_step_over_grpo_step": ("<=", 1.1),
+    "eval_full_test_s": ("<=", 10.0),
+}
+
+
+@dataclass
+class Args:
+    device: str = "auto"
+    """auto (cuda when present), cuda or cpu"""
+    tiny: bool = False
+    """the tiny random model at toy sizes: with --device cpu, a test of this script"""
+    model: str | None = None
+    """default: $SMOLLM2_GGUF when set, else smollm2 (the packaged GGUF); tiny with --tiny"""
+    data_dir: str | None = None
+    """GSM8K folder (default: $GSM8K_DIR)"""
+    sections: str = ",".join(SECTIONS)
+    """comma-separated sections to run, from: check, generate, hf_static, eval, grpo, ppo, train"""
+    out: str = "bench/out/throughput.json"
+    """the JSON report"""
+    work_dir: str = "bench/out/work"
+    """trainer runs and logs"""
+    deadline_s: float = 0.0
+    """skip the sections (and trainer runs) that would start after this many seconds (0: no limit)"""
+    table_from: str | None = None
+    """only print the table of an existing JSON report (after a run stopped by its time limit)"""
+    batch: int = 512
+    """rows of the generation benchmark"""
+    new_tokens: int = 256
+    """new tokens per row (generation and trainers)"""
+    reps: int = 3
+    """timed repetitions after the warm-up (median reported)"""
+    check_rows: int = 64
+    """prompts of the correctness check"""
+    grpo_prompts: int = 64
+    """prompts per GRPO step"""
+    group: int = 8
+    """completions per prompt in GRPO (PPO gets grpo_prompts x group prompts, one completion each)"""
+    trainer_steps: int = 6
+    """steps each trainer runs"""
+    warmup_steps: int = 2
+    """first trainer steps left out of the median (capture, compilation)"""
+    update_args: str = "--update-epochs 1 --num-minibatches 4"
+    """arguments given to both grpo.py and ppo.py so that their updates have the same structure"""
+    grpo_args: str = "--rollouts-per-prompt {group} --batch-size {prompts}"
+    """grpo.py's own arguments ({prompts}, {group} filled in; pass as --grpo-args="...")"""
+    ppo_args: str = "--critic small --rollouts-per-prompt 1 --batch-size {completions}"
+    """ppo.py's own arguments ({completions} filled in)"""
+    trl_steps: int = 3
+    """TRL optimiser steps (the first is left out)"""
+    eval_size: int = 0
+    """test problems in the eval section (0: all 1,319)"""
+    eval_batch_size: int = 512
+    """prompts per generation batch in the eval section"""
+    eval_max_new_tokens: int = 400
+    """longest completion in the eval section"""
+    hf_eval: bool = False
+    """also time the eval section through transformers' generate() (about 46 s on an H200)"""
+    train_rows: int = 64
+    """sequences per forward in the train section"""
+    train_compile: bool = False
+    """also time the compiled training forward (compiling takes a minute or more)"""
+    subprocess_timeout_s: int = 300
+    """limit for each trainer subprocess"""
+
+
+def apply_tiny(args: Args) -> None:
+    """Toy sizes for the tiny model on the CPU (only the fields left at their defaults)."""
+    toy = dict(
+        batch=8,
+        new_tokens=16,
+        reps=1,
+        check_rows=6,
+        grpo_prompts=2,
+        group=2,
+        trainer_steps=3,
+        warmup_steps=1,
+        trl_steps=2,
+        eval_size=16,
+        eval_batch_size=8,
+        eval_max_new_tokens=24,
+        train_rows=4,
+        subprocess_timeout_s=240,
+    )
+    defaults = Args()
+    for key, value in toy.items():
+        if getattr(args, key) == getattr(defaults, key):
+            setattr(args, key, value)
+
+
+# ======================================================================================================
+# helpers: timing, memory, the report
+# ======================================================================================================
+
+
+class Bench:
+    def __init__(self, args: Args) -> None:
+        self.args = args
+        self.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device)
+        if args.device == "auto" and not torch.cuda.is_available():
+            self.device = torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.t_start = time.perf_counter()
+        self.model_name = "tiny" if args.tiny else (args.model or os.environ.get("SMOLLM2_GGUF") or "smollm2")
+        tok_name = (os.environ.get("SMOLLM2_GGUF") or "tiny") if args.tiny else self.model_name
+        self.tok = common.load_tokenizer(tok_name)
+        self.lm = common.load_model(self.model_name, self.tok, seed=0).to(self.device).eval()
+        self.splits = common.load_gsm8k(args.data_dir)
+        self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
+        self.report: dict[str, Any] = {
+            "device": common.device_description(self.device, 1),
+            "versions": {"torch": torch.__version__, "transformers": _version("transformers"), "trl": _version("trl")},
+            "model": self.model_name,
+            "dtype": common.dtype_name(self.device),
+            "settings": asdict(args),
+            "sections": {},
+        }
+        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+
+    def prompts(self, n: int, split: str = "train") -> list[list[int]]:
+        problems = self.splits[split]
+        return [common.encode_prompt(self.tok, problems[i % len(problems)].question) for i in range(n)]
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        return time.perf_counter() - t0, out
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_gib(self) -> float | None:
+        return torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None
+
+    def over_deadline(self) -> str | None:
+        elapsed = time.perf_counter() - self.t_start
+        if self.args.deadline_s and elapsed > self.args.deadline_s:
+            return f"time budget: {elapsed:.0f} s > {self.args.deadline_s:.0f} s"
+        return None
+
+    def save(self) -> None:
+        self.report["ratios"] = ratios(self.report["sections"])
+        self.report["elapsed_s"] = time.perf_counter() - self.t_start
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        common.write_json_atomic(out, self.report)
+
+
+def _version(package: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:
+        return None
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def ratios(sections: dict[str, Any]) -> dict[str, float | None]:
+    """The headline numbers, from whatever sections ran."""
+    gen, hfs = sections.get("generate", {}), sections.get("hf_static", {})
+    grpo, ppo, ev = sections.get("grpo", {}), sections.get("ppo", {}), sections.get("eval", {})
+    engine = gen.get("engine", {}).get("tokens_per_s")
+    grpo_s = grpo.get("grpo", {}).get("step_s")
+    return {
+        "engine_tokens_per_s": engine,
+        "engine_over_hf_dynamic": _div(engine, gen.get("hf_dynamic", {}).get("tokens_per_s")),
+        "engine_over_hf_static_compiled": _div(engine, hfs.get("tokens_per_s")),
+        "engine_compiled_over_graph_only": _div(engine, gen.get("engine_no_compile", {}).get("tokens_per_s")),
+        "grpo_step_s": grpo_s,
+        "trl_step_over_grpo_step": _div(grpo.get("trl", {}).get("step_s"), grpo_s),
+        "ppo_step_over_grpo_step": _div(ppo.get("ppo", {}).get("step_s"), grpo_s),
+        "eval_full_test_s": ev.get("warm_s"),
+        "eval_hf_over_engine": _div(ev.get("hf_s"), ev.get("warm_s")),
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    rows = []
+    for key, value in report["ratios"].items():
+        target = TARGETS.get(key)
+        verdict = ""
+        if target is not None and value is not None:
+            op, bound = target
+            verdict = "ok" if (value >= bound if op == ">=" else value <= bound) else "MISSED"
+        shown = "-" if value is None else (f"{value:,.0f}" if value >= 1000 else f"{value:.3g}")
+        rows.append((key, shown, f"{target[0]} {target[1]}" if target else "", verdict))
+    for name, sec in report["sections"].items():
+        for key, val in sec.items():
+            if isinstance(val, dict) and val.get("peak_gib") is not None:
+                rows.append((f"peak GiB: {name}/{key}", f"{val['peak_gib']:.2f}", "", ""))
+            if isinstance(val, dict) and val.get("skipped"):
+                rows.append((f"{name}/{key}", "skipped", val["skipped"][:60], ""))
+        if sec.get("skipped"):
+            rows.append((name, "skipped", sec["skipped"][:60], ""))
+        if sec.get("error"):
+            rows.append((name, "ERROR", sec["error"][:60], ""))
+    w = max(len(r[0]) for r in rows)
+    print(f"\n== throughput on {report['device']} ({report['model']}, {report['dtype']}) ==")
+    for r in rows:
+        print(f"{r[0]:<{w}}  {r[1]:>12}  {r[2]:<12} {r[3]}")
+
+
+# ======================================================================================================
+# sections
+# ======================================================================================================
+
+
+def section_check(b: Bench) -> dict[str, Any]:
+    """Greedy agreement with the plain path; sampled log-probs against the training forward (mean |diff|)."""
+    n, T = b.args.check_rows, min(b.args.new_tokens, 128)
+    prompts = b.prompts(n, "test")
+    kw = dict(max_new_tokens=T, eos_id=b.eos, pad_id=b.pad)
+    ours = common.generate(b.lm, prompts, engine="static", **kw)
+    plain = common.generate(b.lm, prompts, engine="hf", **kw)
+    first_diff = []
+    for x, y, lx, ly in zip(ours.response_ids.tolist(), plain.response_ids.tolist(), ours.lengths, plain.lengths):
+        x, y = x[: int(lx)], y[: int(ly)]
+        first_diff.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))))
+    same = [a == c for a, c in zip(common.decode_responses(b.tok, ours)[1], common.decode_responses(b.tok, plain)[1])]
+
+    def logprob_error(ro: common.Rollout) -> dict[str, float]:
+        with torch.no_grad(), common.autocast_ctx(b.device):
+            lp, _, _ = common.PolicyForward(b.lm)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1])
+        d = (ro.logprobs - lp).abs() * ro.response_mask
+        return {"mean": (d.sum() / ro.response_mask.sum()).item(), "max": d.max().item()}
+
+    u = common.step_uniforms(0, 0, 0, n, T, b.device)
+    s_ours = common.generate(b.lm, prompts, engine="static", uniforms=u, **kw)
+    s_plain = common.generate(b.lm, prompts, engine="hf", uniforms=u, **kw)
+    same_sampled = [
+        a == c for a, c in zip(common.decode_responses(b.tok, s_ours)[1], common.decode_responses(b.tok, s_plain)[1])
+    ]
+    return {
+        "rows": n,
+        "max_new_tokens": T,
+        "greedy_rows_identical": sum(same) / n,
+        "greedy_mean_first_difference": sum(first_diff) / n,
+        "sampled_rows_identical": sum(same_sampled) / n,
+        "logprob_abs_error_engine": logprob_error(s_ours),
+        "logprob_abs_error_hf_path": logprob_error(s_plain),
+    }
+
+
+def section_generate(b: Bench) -> dict[str, Any]:
+    """Tokens/s at a fixed length: the engine (graph + compile, graph only) and generate()'s dynamic cache."""
+    B, T = b.args.batch, b.args.new_tokens
+    prompts = b.prompts(B)
+    u = common.step_uniforms(0, 0, 0, B, T, b.device)
+    out: dict[str, Any] = {"batch": B, "new_tokens": T, "mean_prompt_tokens": sum(map(len, prompts)) / B}
+    variants = [("engine", {})]
+    if b.cuda:
+        variants.append(("engine_no_compile", {"compile": False}))
+    for name, opts in variants:
+        b.reset_peak()
+        engine = common.StaticEngine(b.lm, **opts)
+        run = lambda e=engine: e.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=b.pad, uniforms=u)  # noqa: E731
+        first_s, ro = b.timed(run)
+        assert int(ro.lengths.sum()) == B * T
+        times = [b.timed(run)[0] for _ in range(b.args.reps)]
+        out[name] = {
+            "first_call_s": first_s,
+            "capture_and_compile_s": engine.compile_seconds,
+            "seconds": _median(times),
+            "tokens_per_s": B * T / _median(times),
+            "peak_gib": b.peak_gib(),
+        }
+        del engine, ro
+        b.save()
+    out["hf_dynamic"] = _hf_generate(b, prompts, T, static=False)
+    return out
+
+
+def _hf_model(b: Bench) -> torch.nn.Module:
+    """A copy of the policy in the compute dtype (bf16 on a GPU), as transformers' own generation runs best."""
+    return copy.deepcopy(b.lm).to(torch.bfloat16 if b.cuda else torch.float32).eval()
+
+
+def _hf_generate(b: Bench, prompts: list[list[int]], T: int, static: bool) -> dict[str, Any]:
+    hf = _hf_model(b)
+    ids, mask = common.left_pad(prompts, b.pad)
+    ids, mask = ids.to(b.device), mask.to(b.device)
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def run(n_tokens: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=n_tokens,
+                min_new_tokens=n_tokens,  # EOS ignored: the same token count as the engine
+                eos_token_id=b.eos,
+                pad_token_id=b.pad,
+                **extra,
+            )
+
+    b.reset_peak()
+    # a static cache compiles for its length: warm up at the full length; the dynamic cache needs only a little
+    first_s, seq = b.timed(lambda: run(T if static else min(8, T)))
+    times = [b.timed(lambda: run(T))[0] for _ in range(1 if static else max(1, b.args.reps - 2))]
+    return {
+        "first_call_s": first_s,
+        "seconds": _median(times),
+        "tokens_per_s": len(prompts) * T / _median(times),
+        "peak_gib": b.peak_gib(),
+    }
+
+
+def section_hf_static(b: Bench) -> dict[str, Any]:
+    """generate() with a static cache (and, on a GPU, transformers' automatic torch.compile of the step)."""
+    B, T = b.args.batch, b.args.new_tokens
+    return {"batch": B, "new_tokens": T, **_hf_generate(b, b.prompts(B), T, static=True)}
+
+
+def section_eval(b: Bench) -> dict[str, Any]:
+    """common.evaluate over the test split: the first call (graph capture) and a second, warm one."""
+    problems = b.splits["test"][: b.args.eval_size or None]
+    kw = dict(
+        task="gsm8k",
+        prompt_format="chat",
+        max_new_tokens=b.args.eval_max_new_tokens,
+        batch_size=b.args.eval_batch_size,
+        show_progress=False,
+    )
+    b.reset_peak()
+    cold_s, res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, engine="static", **kw))
+    warm_s, res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, engine="static", **kw))
+    out = {
+        "problems": len(problems),
+        "batch_size": b.args.eval_batch_size,
+        "max_new_tokens": b.args.eval_max_new_tokens,
+        "cold_s": cold_s,
+        "warm_s": warm_s,
+        "accuracy": res["accuracy"],
+        "generated_tokens": res["generated_tokens"],
+        "tokens_per_s": res["generated_tokens"] / warm_s,
+        "peak_gib": b.peak_gib(),
+    }
+    if b.args.hf_eval:
+        b.reset_peak()
+        hf_s, hf_res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, engine="hf", **kw))
+        out.update(hf_s=hf_s, hf_accuracy=hf_res["accuracy"], hf_peak_gib=b.peak_gib())
+    return out
+
+
+def _trainer_args(b: Bench, run_dir: Path) -> list[str]:
+    """The arguments grpo.py and ppo.py share here: study settings, no MC measurement, a short final eval."""
+    a = b.args
+    opts = {
+        "--model": b.model_name,
+        "--scale": "study",
+        "--device": b.device.type,
+        "--total-steps": a.trainer_steps,
+        "--max-new-tokens": a.new_tokens,
+        "--mc-every": 0,
+        "--eval-every": 0,
+        "--save-every": 0,
+        "--eval-size": 4 if a.tiny else 32,
+        "--test-size": 4 if a.tiny else 32,
+        "--run-dir": run_dir,
+    }
+    if a.data_dir:
+        opts["--data-dir"] = a.data_dir
+    if a.tiny:
+        opts.update({"--micro-batch-size": 2, "--eval-batch-size": 4, "--eval-max-new-tokens": 8})
+    return [str(x) for kv in opts.items() for x in kv] + ["--no-progress"] + shlex.split(a.update_args)
+
+
+def run_trainer(b: Bench, script: str, extra: list[str], name: str) -> dict[str, Any]:
+    """Run a trainer for a few steps in its own process; the median of its logged step times after warm-up."""
+    if not (ROOT / script).is_file():
+        return {"skipped": f"{script} is not on this branch"}
+    if b.over_deadline():
+        return {"skipped": b.over_deadline()}
+    run_dir = Path(b.args.work_dir) / name
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    cmd = [sys.executable, script, *_trainer_args(b, run_dir), *extra]
+    log = Path(b.args.work_dir) / f"{name}.log"
+    print(f"[{name}] {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        with open(log, "w") as f:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=b.args.subprocess_timeout_s
+            )
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    rows = []
+    if (run_dir / "metrics.jsonl").is_file():
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "time/step" in r]
+    kept = rows[b.args.warmup_steps :]
+    out: dict[str, Any] = {"command": cmd, "returncode": code, "wall_s": time.perf_counter() - t0}
+    if code != 0 or not kept:
+        out["error"] = f"exit {code}, {len(rows)} steps logged: " + log.read_text()[-1500:]
+        return out
+    for key in ("time/step", "time/rollout", "time/update"):
+        vals = [r[key] for r in kept if r.get(key) is not None]
+        out[key.split("/")[1] + "_s"] = _median(vals)
+    out["steps_timed"] = len(kept)
+    out["response_len"] = _median([r["response_len"] for r in kept if "response_len" in r])
+    peaks = [r["memory/peak_gib"] for r in rows if r.get("memory/peak_gib") is not None]
+    out["peak_gib"] = max(peaks) if peaks else None
+    return out
+
+
+def _fill(template: str, **values: int) -> list[str]:
+    return shlex.split(template.format(**values))
+
+
+def section_grpo(b: Bench) -> dict[str, Any]:
+    a = b.args
+    out: dict[str, Any] = {"prompts": a.grpo_prompts, "group": a.group, "new_tokens": a.new_tokens}
+    out["grpo"] = run_trainer(b, "grpo.py", _fill(a.grpo_args, prompts=a.grpo_prompts, group=a.group), "grpo")
+    b.save()
+    out["trl"] = run_trl(b)
+    return out
+
+
+def section_ppo(b: Bench) -> dict[str, Any]:
+    a = b.args
+    n = a.grpo_prompts * a.group
+    return {"completions": n, "ppo": run_trainer(b, "ppo.py", _fill(a.ppo_args, completions=n), "ppo")}
+
+
+def run_trl(b: Bench) -> dict[str, Any]:
+    """TRL's GRPOTrainer at the same sizes, in its own process (bench/trl_grpo.py)."""
+    if importlib.util.find_spec("trl") is None:
+        return {"skipped": "trl is not installed (pip install -r bench/requirements.txt)"}
+    if b.over_deadline():
+        return {"skipped": b.over_deadline()}
+    a = b.args
+    model_dir = Path(a.work_dir) / "tiny-model"
+    if a.tiny:  # TRL loads a folder: save the tiny model there
+        b.lm.save_pretrained(model_dir)
+        b.tok.save_pretrained(model_dir)
+    else:
+        model_dir = Path(common.resolve_model(b.model_name))
+    out_json = Path(a.work_dir) / "trl.json"
+    cmd = [sys.executable, "bench/trl_grpo.py", "--model-dir", str(model_dir), "--out", str(out_json)]
+    cmd += ["--device", b.device.type, "--prompts", str(a.grpo_prompts), "--generations", str(a.group)]
+    cmd += ["--max-new-tokens", str(a.new_tokens), "--steps", str(a.trl_steps), "--run-dir", f"{a.work_dir}/trl-run"]
+    cmd += ["--micro-batch-size", str(min(64, a.grpo_prompts * a.group))]
+    if a.data_dir:
+        cmd += ["--data-dir", a.data_dir]
+    log = Path(a.work_dir) / "trl.log"
+    print(f"[trl] {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    try:
+        with open(log, "w") as f:
+            code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=a.subprocess_timeout_s)
+            code = code.returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    if code != 0 or not out_json.is_file():
+        return {"command": cmd, "error": f"exit {code}: " + log.read_text()[-1500:]}
+    res = json.loads(out_json.read_text())
+    kept = res["step_seconds"][1:] or res["step_seconds"]
+    return {"command": cmd, "step_s": _median(kept), **res}
+
+
+def section_train(b: Bench) -> dict[str, Any]:
+    """Forward + backward tokens/s of the training forward on full-length sequences, eager and compiled."""
+    a = b.args
+    rows, T = a.train_rows, a.new_tokens
+    prompts = b.prompts(rows)
+    ids, mask = common.left_pad(prompts, b.pad)
+    g = torch.Generator().manual_seed(0)
+    resp = torch.randint(3, len(b.tok) - 1, (rows, T), generator=g)
+    input_ids = torch.cat([ids, resp], 1).to(b.device)
+    attn = torch.cat([mask, torch.ones(rows, T, dtype=torch.long)], 1).to(b.device)
+    tokens = int(attn.sum())
+    out: dict[str, Any] = {"rows": rows, "tokens_per_forward": tokens}
+    variants = [("eager", False)] + ([("compiled", True)] if a.train_compile else [])
+    for name, compile_ in variants:
+        model = common.PolicyForward(b.lm, compile=compile_)
+        b.lm.train()
+
+        def step(model: common.PolicyForward = model) -> None:
+            with common.autocast_ctx(b.device):
+                logp, _, _ = model(input_ids, attn, ids.shape[1])
+            logp.sum().backward()
+            b.lm.zero_grad(set_to_none=True)
+
+        b.reset_peak()
+        first_s, _ = b.timed(step)
+        times = [b.timed(step)[0] for _ in range(a.reps)]
+        out[name] = {
+            "first_call_s": first_s,
+            "seconds": _median(times),
+            "tokens_per_s": tokens / _median(times),
+            "peak_gib": b.peak_gib(),
+        }
+        b.lm.eval()
+    return out
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    if args.table_from:
+        report = json.loads(Path(args.table_from).read_text())
+        report["ratios"] = ratios(report["sections"])
+        print_table(report)
+        return
+    if args.tiny:
+        apply_tiny(args)
+    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}: choose from {', '.join(SECTIONS)}")
+    b = Bench(args)
+    print(f"device {b.report['device']}, model {b.model_name}, sections {', '.join(chosen)}", flush=True)
+    fns = {
+        "check": section_check,
+        "generate": section_generate,
+        "hf_static": section_hf_static,
+        "eval": section_eval,
+        "grpo": section_grpo,
+        "ppo": section_ppo,
+        "train": section_train,
+    }
+    for name in SECTIONS:  # always in this order
+        if name not in chosen:
+            continue
+        elapsed = time.perf_counter() - b.t_start
+        if b.over_deadline():
+            b.report["sections"][name] = {"skipped": b.over_deadline()}
+            continue
+        print(f"-- {name} ({elapsed:.0f} s in)", flush=True)
+        t0 = time.perf_counter()
+        b.report["sections"][name] = {}
+        try:
+            b.report["sections"][name] = fns[name](b)
+        except Exception as e:  # one failing section must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            b.report["sections"][name] = {"error": f"{type(e).__name__}: {e}"}
+        b.report["sections"][name]["section_s"] = time.perf_counter() - t0
+        b.save()
+        print(json.dumps({name: b.report["sections"][name]}, default=str)[:2000], flush=True)
+    b.save()
+    print_table(b.report)
+    print(f"\nwritten: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

