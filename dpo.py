@@ -65,6 +65,8 @@ class Args:
     """problems carved out of train (fixed seed) for evaluation during training"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    compile: bool = False
+    """torch.compile the transformer trunk of the training forward (policy and reference)"""
 
     # --- rollout ---
     batch_size: int = 64
@@ -183,7 +185,8 @@ def main() -> None:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False)  # DPO's baseline: the log-ratio to this model
     critic = None  # DPO has no critic
-    model = common.PolicyForward(policy)
+    model = common.PolicyForward(policy, compile=args.compile)
+    ref_model = common.PolicyForward(ref, compile=args.compile) if ref is not None else None
     ddp_model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if world > 1 else model
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     opt_steps = args.total_steps * args.update_epochs
@@ -224,7 +227,7 @@ def main() -> None:
             flush=True,
         )
     stopper = common.StopSignal()
-    logger = common.MetricsLogger(run_dir, dist_.main)
+    logger = common.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
     ctx = common.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
@@ -311,7 +314,7 @@ def main() -> None:
         """DPO's baseline, computed once per pair with the frozen reference, in micro-batches."""
         with torch.no_grad(), ctx:
             for s in range(0, len(pairs), micro):
-                c, r = seq_logps(common.PolicyForward(ref), pairs[s : s + micro])
+                c, r = seq_logps(ref_model, pairs[s : s + micro])
                 for p, rc, rr in zip(pairs[s : s + micro], c.tolist(), r.tolist()):
                     p["ref_chosen"], p["ref_rejected"] = rc, rr
 
@@ -477,6 +480,8 @@ def main() -> None:
                 }
             )
         metrics["generated_tokens"] = counters["generated_tokens"]
+        if device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
             res = run_eval("val", args.eval_size)
             metrics.update(

@@ -63,6 +63,8 @@ class Args:
     """problems carved out of train (fixed seed) for evaluation during training"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
+    compile: bool = False
+    """torch.compile the transformer trunk of the training forward (policy and reference)"""
 
     # --- rollout ---
     batch_size: int = 64
@@ -203,7 +205,8 @@ def main() -> None:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
     critic = None  # GRPO has no critic: the group is the baseline
-    model = common.PolicyForward(policy)
+    model = common.PolicyForward(policy, compile=args.compile)
+    ref_model = common.PolicyForward(ref, compile=args.compile) if ref is not None else None
     ddp_model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if world > 1 else model
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     opt_steps = args.total_steps * args.update_epochs * args.num_minibatches
@@ -245,7 +248,7 @@ def main() -> None:
             flush=True,
         )
     stopper = common.StopSignal()
-    logger = common.MetricsLogger(run_dir, dist_.main)
+    logger = common.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
     ctx = common.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
@@ -313,15 +316,15 @@ def main() -> None:
         P = ro.prompt_ids.shape[1]
         input_ids, attn, rmask = ro.input_ids, ro.attention_mask, ro.response_mask  # [B, P+T], [B, P+T], [B, T]
         old_logp = ro.logprobs
+        seq_len = attn.sum(-1)  # [B] tokens per sequence: micro-batches of similar length waste little padding
         t_rollout = time.time() - t0
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
-            for s in range(0, len(prompts), micro):
-                sl = slice(s, s + micro)
-                if ref is not None:
-                    ref_logp[sl] = common.PolicyForward(ref)(input_ids[sl], attn[sl], P, args.temperature)[0]
+            for rows in common.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
+                if ref_model is not None:
+                    ref_logp[rows] = ref_model(input_ids[rows], attn[rows], P, args.temperature)[0]
                 if args.recompute_logprobs:
-                    old_logp[sl] = model(input_ids[sl], attn[sl], P, args.temperature)[0]
+                    old_logp[rows] = model(input_ids[rows], attn[rows], P, args.temperature)[0]
 
         # ==================================================================================================
         # reward
@@ -390,10 +393,10 @@ def main() -> None:
                 mb_rows = perm[mb * minibatch : (mb + 1) * minibatch]
                 n_tok = common.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
                 n_seq = torch.tensor(float(minibatch * world), device=device)  # the minibatch's sequences
-                for s in range(0, minibatch, micro):
-                    rows = mb_rows[s : s + micro]
+                micro_batches = common.length_sorted_micro_batches(mb_rows, seq_len, micro)
+                for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
-                    last_micro = s + micro >= minibatch
+                    last_micro = j == len(micro_batches) - 1
                     sync = contextlib.nullcontext() if (world == 1 or last_micro) else ddp_model.no_sync()
                     with sync, ctx:
                         logp, entropy, _ = ddp_model(input_ids[rows], attn[rows], P, args.temperature)
@@ -469,6 +472,8 @@ def main() -> None:
                 "tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
             }
         )
+        if device.type == "cuda":
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
             res = run_eval("val", args.eval_size)
             metrics.update(
