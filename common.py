@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -723,7 +723,9 @@ def sample_tokens(
     if u is None:
         token = logits.argmax(-1)
     else:
-        probs = logp.exp()
+        # fp64 CDF: two batchings of the same row differ in the last bits of their logits; in fp64 the token
+        # boundaries barely move, so a row samples the same token whatever batch or rank it lands in.
+        probs = logp.double().exp()
         if top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the first token is always kept
@@ -2054,12 +2056,29 @@ def save_checkpoint(
     scheduler and RNG states through torch.save of plain tensors and numbers (loaded with weights_only=True);
     state.json holds the step, the data position and the counters; args.json the arguments.
     """
-    from safetensors.torch import save_file
 
     final = run_dir / CHECKPOINT
     tmp = run_dir / f".{CHECKPOINT}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays as it was
+        raise
+    # the previous checkpoint is kept under .checkpoint.old-PID until the new one is in place: a crash
+    # between the two renames leaves it there, and find_checkpoint() falls back on it
+    old = run_dir / f".{CHECKPOINT}.old-{os.getpid()}"
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args) -> None:
+    from safetensors.torch import save_file
+
     unwrap(policy).save_pretrained(tmp / "policy", safe_serialization=True)
     tokenizer.save_pretrained(tmp / "policy")
     if critic is not None and count_params(critic, trainable_only=False) > 0:
@@ -2078,12 +2097,15 @@ def save_checkpoint(
     for p in files + [tmp / "manifest.json"]:
         with open(p, "rb") as f:
             os.fsync(f.fileno())
-    old = run_dir / f".{CHECKPOINT}.old-{os.getpid()}"
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+
+
+def find_checkpoint(run_dir: Path) -> Path | None:
+    """run_dir/checkpoint, or, when a save died between its two renames, the previous one it had set aside."""
+    path = run_dir / CHECKPOINT
+    if path.is_dir():
+        return path
+    aside = sorted(run_dir.glob(f".{CHECKPOINT}.old-*"), key=lambda p: p.stat().st_mtime)
+    return aside[-1] if aside else None
 
 
 def verify_checkpoint(path: Path) -> None:
@@ -2117,8 +2139,8 @@ def load_checkpoint(
     whose essential arguments differ from this run's."""
     from safetensors.torch import load_file
 
-    path = run_dir / CHECKPOINT
-    if not path.is_dir():
+    path = find_checkpoint(run_dir)
+    if path is None:
         raise UserError(f"--resume: no checkpoint in {run_dir}")
     verify_checkpoint(path)
     saved = json.loads((path / "args.json").read_text())
@@ -2144,19 +2166,14 @@ def load_checkpoint(
 
 def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool) -> None:
     """A new run needs a folder without a checkpoint; --resume needs one. Nothing is ever overwritten."""
-    has_ckpt = (run_dir / CHECKPOINT).is_dir()
+    has_ckpt = find_checkpoint(run_dir) is not None
     if resume and not has_ckpt:
         raise UserError(f"--resume: no checkpoint in {run_dir}")
-    if not resume and (has_ckpt or (run_dir / "results.json").exists() or (run_dir / "metrics.jsonl").exists()):
+    if not resume and (has_ckpt or (run_dir / "results.json").exists()):
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise UserError(
+            f"{run_dir} holds metrics.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
+        )
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def now() -> float:
-    return time.time()
-
-
-def chunks(seq: Sequence[Any], n: int) -> Iterable[Sequence[Any]]:
-    for i in range(0, len(seq), n):
-        yield seq[i : i + n]

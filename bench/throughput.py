@@ -98,7 +98,7 @@ class Args:
     """first trainer steps left out of the median (capture, compilation)"""
     update_args: str = "--update-epochs 1 --num-minibatches 4"
     """arguments given to both grpo.py and ppo.py so that their updates have the same structure"""
-    grpo_args: str = "--rollouts-per-prompt {group} --batch-size {prompts}"
+    grpo_args: str = "--group-size {group} --batch-size {prompts}"
     """grpo.py's own arguments ({prompts}, {group} filled in; pass as --grpo-args="...")"""
     ppo_args: str = "--critic small --rollouts-per-prompt 1 --batch-size {completions}"
     """ppo.py's own arguments ({completions} filled in)"""
