@@ -1977,6 +1977,31 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def eval_metrics(split: str, res: dict[str, Any]) -> dict[str, float]:
+    """The metrics.jsonl keys of one evaluation: accuracy with its 95% interval, format rate, seconds."""
+    return {
+        f"{split}/accuracy": res["accuracy"],
+        f"{split}/ci_low": res["ci95"][0],
+        f"{split}/ci_high": res["ci95"][1],
+        f"{split}/format_rate": res["format_rate"],
+        f"{split}/seconds": res["seconds"],
+    }
+
+
+def write_results(
+    run_dir: Path, fields: dict[str, Any], test: dict[str, Any], device: torch.device, world: int
+) -> None:
+    """results.json (written atomically) and the one line a run ends with: its test accuracy."""
+    results = {**fields, "test": test, "device": device_description(device, world), "date": time.strftime("%Y-%m-%d")}
+    write_json_atomic(run_dir / "results.json", results)
+    lo, hi = test["ci95"]
+    print(
+        f"test accuracy {100 * test['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] on {test['n']} problems "
+        f"after {fields['steps']} steps ({run_dir / 'results.json'})",
+        flush=True,
+    )
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:

@@ -533,15 +533,7 @@ def main() -> None:
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
             res = run_eval("val", args.eval_size)
-            metrics.update(
-                {
-                    "val/accuracy": res["accuracy"],
-                    "val/ci_low": res["ci95"][0],
-                    "val/ci_high": res["ci95"][1],
-                    "val/format_rate": res["format_rate"],
-                    "val/seconds": res["seconds"],
-                }
-            )
+            metrics.update(common.eval_metrics("val", res))
         logger.log(counters["step"], metrics)
         bar.set_postfix(
             reward=f"{metrics['reward']:.3f}",
@@ -569,9 +561,7 @@ def main() -> None:
     # final: a checkpoint, the validation and test accuracy, results.json
     save()
     val = run_eval("val", args.eval_size)
-    logger.log(
-        counters["step"], {"val/accuracy": val["accuracy"], "val/ci_low": val["ci95"][0], "val/ci_high": val["ci95"][1]}
-    )
+    logger.log(counters["step"], common.eval_metrics("val", val))
     test = run_eval("test", args.test_size)
     counters["wall_time"] = time.time() - t_start
     if dist_.main:
@@ -580,25 +570,16 @@ def main() -> None:
             "critic": args.critic,
             "seed": args.seed,
             "steps": counters["step"],
-            "test": test,
             "val": val,
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
             "critic_params": common.count_params(critic),
-            "device": common.device_description(device, world),
-            "date": time.strftime("%Y-%m-%d"),
             "args": args_dict,
             "scaled_down": scaled,
         }
-        common.write_json_atomic(run_dir / "results.json", results)
-        lo_, hi_ = test["ci95"]
-        print(
-            f"test accuracy {100 * test['accuracy']:.1f}% [{100 * lo_:.1f}, {100 * hi_:.1f}] on {test['n']} problems "
-            f"after {counters['step']} steps ({run_dir / 'results.json'})",
-            flush=True,
-        )
+        common.write_results(run_dir, results, test, device, world)
     logger.close()
 
 
