@@ -44,3 +44,32 @@ def test_pad_token_is_not_eos(tiny_tokenizer):
     assert tiny_tokenizer.pad_token_id is not None
     assert tiny_tokenizer.pad_token_id != tiny_tokenizer.eos_token_id
     assert tiny_tokenizer.padding_side == "left"
+
+
+def test_training_and_evaluation_feed_identical_token_ids(tmp_path, monkeypatch, gsm8k_dir):
+    """The prompt a training rollout sees and the one evaluation sees, for the same problem, are the same ids."""
+    from helpers import cli
+    from test_ppo import run_ppo_in_process
+
+    fed: list[list[list[int]]] = []
+    real_generate = common.generate
+
+    def watched(model, prompts, **kw):
+        fed.append([list(p) for p in prompts])
+        return real_generate(model, prompts, **kw)
+
+    monkeypatch.setattr(common, "generate", watched)
+    run_ppo_in_process(
+        cli(tmp_path / "run", total_steps=1, batch_size=2, mc_every=0, eval_size=2, test_size=2), monkeypatch
+    )
+    training_prompt = fed[0][0]  # the first rollout of the first step
+
+    tok = common.load_tokenizer("tiny")
+    train = common.load_gsm8k(str(gsm8k_dir))["train"]
+    text = tok.decode(training_prompt)
+    problem = next(p for p in train if p.question.strip() in text)
+    fed.clear()
+    model = common.load_model("tiny", tok)
+    common.evaluate(model, tok, [problem], task="gsm8k", prompt_format="chat", max_new_tokens=2, batch_size=1)
+    assert fed == [[training_prompt]]
+    assert "<|im_start|>assistant" in text and common.INSTRUCTION in text
