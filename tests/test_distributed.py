@@ -183,7 +183,8 @@ def assert_same_curve(one: Path, two: Path) -> None:
         for key, va in ra.items():
             if any(part in key for part in NOT_COMPARED) or not isinstance(va, float):
                 continue
-            assert va == pytest.approx(rb[key], rel=1e-4, abs=1e-6), f"step {ra['step']} {key}: {va} vs {rb[key]}"
+            # abs: means like pg_loss cancel terms of order 1, so their float noise is absolute, not relative
+            assert va == pytest.approx(rb[key], rel=1e-4, abs=2e-5), f"step {ra['step']} {key}: {va} vs {rb[key]}"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
 # SIGTERM to one rank: every rank stops after the same step, one checkpoint, which resumes on one rank
 # ------------------------------------------------------------------------------------------------------
 
-SIGTERM_RUN = dict(RUNS["ppo"][1], total_steps=4, batch_size=16, max_new_tokens=32)
+SIGTERM_RUN = dict(RUNS["ppo"][1], total_steps=4, batch_size=8, max_new_tokens=24)
 
 
 def rank_pid(tag: str, rank: int, timeout: float = 60) -> int:
