@@ -12,6 +12,7 @@ run folder as pairs.jsonl. `--online`: drawn again from the current policy every
     python dpo.py                                                  # offline gold pairs, on a GPU
     python dpo.py --pairs self --online                            # online self-labelled pairs
     torchrun --standalone --nproc_per_node=8 dpo.py                # data parallel on one node
+    torchrun --standalone --nproc_per_node=8 dpo.py --fsdp         # sharded (FSDP2), for a large model
     python dpo.py --model tiny --total-steps 2                     # a smoke run on the CPU
 
 Papers: DPO https://arxiv.org/abs/2305.18290; IPO https://arxiv.org/abs/2310.12036; online / iterative

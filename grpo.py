@@ -11,6 +11,7 @@ sequence (the original) or constant (Dr. GRPO); `--baseline loo` uses the leave-
 
     python grpo.py                                                 # the study's settings on a GPU
     torchrun --standalone --nproc_per_node=8 grpo.py               # data parallel on one node
+    torchrun --standalone --nproc_per_node=8 grpo.py --fsdp        # sharded (FSDP2), for a large model
     python grpo.py --model tiny --total-steps 2                    # a smoke run on the CPU
 
 Papers: GRPO https://arxiv.org/abs/2402.03300; Dr. GRPO https://arxiv.org/abs/2503.20783;

@@ -11,6 +11,7 @@ rollout's own log-probs are the old log-probs (no extra forward; --recompute-log
 
     python ppo.py --critic small                                   # the study's settings on a GPU
     torchrun --standalone --nproc_per_node=8 ppo.py --critic small # data parallel on one node
+    torchrun --standalone --nproc_per_node=8 ppo.py --critic full --fsdp  # sharded (FSDP2), for a large model
     python ppo.py --critic small --model tiny --total-steps 2      # a smoke run on the CPU
 
 Papers: PPO https://arxiv.org/abs/1707.06347; GAE https://arxiv.org/abs/1506.02438; the N implementation
