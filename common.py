@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 # ======================================================================================================
 # Errors and distributed setup
@@ -72,7 +74,7 @@ class Dist:
         return self.rank == 0
 
 
-def setup_distributed(device: str = "auto") -> Dist:
+def setup_distributed(device: str = "auto", fsdp: bool = False) -> Dist:
     """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; NCCL on GPUs, gloo on the CPU (nanoGPT style)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,6 +82,8 @@ def setup_distributed(device: str = "auto") -> Dist:
         raise UserError(f"--device {device} asked for, but no CUDA device is visible")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise UserError(f"unknown --device {device!r}: use auto, cpu or cuda")
+    if fsdp and "RANK" not in os.environ:
+        raise UserError("--fsdp shards the model over the processes of a torchrun launch: start it with torchrun")
     if "RANK" not in os.environ:
         return Dist(device=torch.device(device))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -87,7 +91,7 @@ def setup_distributed(device: str = "auto") -> Dist:
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
-        backend = "nccl"
+        backend = "cpu:gloo,cuda:nccl"  # NCCL for GPU tensors; gloo for the CPU ones (counters, objects, DCP)
     else:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
@@ -127,6 +131,53 @@ def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
+def minibatch_rows(rows: int, minibatches: int, first: int, total: int, seed: int) -> list[torch.Tensor]:
+    """This rank's rows [0, rows) dealt into `minibatches` minibatches, the same deal whatever the world size.
+
+    The global batch (`total` rows; this rank's share starts at global row `first`) is cut into consecutive
+    chunks of `minibatches` rows, and a seeded shuffle of each chunk sends one of its rows to each minibatch.
+    A rank's contiguous share is whole chunks, so minibatch m is the same set of global rows on one rank or
+    on N, each rank holding rows / minibatches of them: N processes take the optimiser steps one process takes.
+    -> `minibatches` tensors of local row indices, [rows / minibatches] each
+    """
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.rand(total // minibatches, minibatches, generator=g)  # [chunks, M]: the same table on every rank
+    order = keys.argsort(-1)[first // minibatches : (first + rows) // minibatches]  # [this rank's chunks, M]
+    start = torch.arange(order.shape[0])[:, None] * minibatches  # the local row where each chunk starts
+    return list((start + order).T)
+
+
+def measured_prompts(n: int, measured: int, rank: int, world: int) -> list[int]:
+    """Which of this rank's n / world prompts the Monte Carlo measurement takes: `measured` prompts spread
+    evenly over the global batch of n (global position j * n // measured), the same ones on one rank or N.
+    Returns positions within this rank's share; `measured` must divide by world."""
+    lo, _ = shard_range(n, rank, world)
+    per = measured // world
+    return [j * n // measured - lo for j in range(rank * per, (rank + 1) * per)]
+
+
+def on_rank0(check: Callable[[], Any]) -> None:
+    """Run a check on rank 0 only (reading a large checkpoint once, not once per rank) and share its verdict:
+    a UserError there is raised on every rank with the same message, so that no rank waits alone."""
+    message = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            check()
+        except UserError as e:
+            message = str(e)
+    if world_size() > 1:
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if message is not None:
+        raise UserError(message)
+
+
+def all_ok(ok: bool) -> bool:
+    """True on every rank when ok is True on every rank (an all-reduce): ranks agree before going on."""
+    return bool(all_reduce_sum(torch.tensor([0.0 if ok else 1.0])).item() == 0)
+
+
 def check_divides(what: str, n: int, by: int, by_what: str) -> None:
     if by <= 0 or n % by != 0:
         raise UserError(f"{what} ({n}) must be a positive multiple of {by_what} ({by})")
@@ -162,6 +213,117 @@ class StopSignal:
 
     def should_stop(self, device: torch.device) -> bool:
         return bool(all_reduce_sum(torch.tensor([float(self.flag)], device=device)).item() > 0)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Data parallel (DDP) and sharded (--fsdp, FSDP2) training
+# ------------------------------------------------------------------------------------------------------
+
+_FSDP_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a sharded policy or critic -> its FSDP root
+
+
+def parallelize(model: nn.Module, ref_model: nn.Module | None, dist_: Dist, fsdp: bool) -> nn.Module:
+    """The module a trainer calls for its training forward and backward.
+
+    One process: `model` itself. Under torchrun: DDP(model), whose backward averages the gradients over ranks.
+    With --fsdp: `model` and `ref_model` (PolicyForward modules) sharded in place with FSDP2
+    (torch.distributed.fsdp.fully_shard). Each decoder layer of the policy, the reference and a full critic is
+    one unit; a critic is one more; the root, the PolicyForward, holds the rest (embeddings, final norm, the tied
+    LM head) and gathers it for its whole forward, the chunked LM head included. Weights, gradients and Adam's
+    moments live in shards; on a GPU a unit gathers its weights in bf16 and reduces gradients in fp32.
+    Gradients are averaged over ranks as under DDP, so the trainers' losses are the same.
+    """
+    if fsdp:
+        for module in (model, ref_model):
+            if module is not None:
+                _fsdp_shard(module, dist_.device)
+        return model
+    if dist_.world == 1:
+        return model
+    return DDP(model, device_ids=[dist_.local_rank] if dist_.device.type == "cuda" else None)
+
+
+def _fsdp_shard(module: nn.Module, device: torch.device) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # FullCritic and MLPHead return a squeezed view; no caller writes into a critic's output in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(device.type, (world_size(),))
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()  # fp32 on the CPU, as autocast_ctx
+    layers = set(getattr(module.lm, "_no_split_modules", None) or ())  # transformers names its decoder layers
+    for part in (module.lm, module.critic):
+        if part is not None:
+            for m in part.modules():
+                if type(m).__name__ in layers:
+                    fully_shard(m, mesh=mesh, mp_policy=mp)
+    if module.critic is not None:
+        fully_shard(module.critic, mesh=mesh, mp_policy=mp)
+        _FSDP_ROOTS[module.critic] = module
+    fully_shard(module, mesh=mesh, mp_policy=mp)
+    # FSDP2 makes the first module to run forward the root of its tree; PPO's rollout calls the critic alone
+    # before any training forward, so settle the root now (torch 2.13 has no public call for this)
+    module._get_fsdp_state()._lazy_init()
+    _FSDP_ROOTS[module.lm] = module
+
+
+def is_sharded(module: nn.Module | None) -> bool:
+    """Whether FSDP holds this module's weights in shards (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return module is not None and any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _reshard(module: nn.Module | None) -> None:
+    """Put an FSDP root's own weights back in their shards: after a forward without gradients it keeps them
+    gathered (the layers reshard themselves). Reading whole weights or saving shards starts from here."""
+    root = _FSDP_ROOTS.get(module) if module is not None else None
+    if root is not None:
+        root.reshard()
+
+
+def no_sync(model: nn.Module, last_micro: bool) -> contextlib.AbstractContextManager:
+    """Gradient accumulation over micro-batches: DDP all-reduces on the minibatch's last micro-batch only
+    (no_sync() before it); FSDP reduce-scatters every micro-batch, so that only shards accumulate."""
+    if isinstance(model, DDP) and not last_micro:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+class FullWeights:
+    """The policy with whole weights, for generation: rollouts, Monte Carlo values, evaluation.
+
+    Without FSDP, get() is the policy itself, at no cost. Under --fsdp the rollout engines need whole layers,
+    so every rank keeps a plain copy of the model (bf16 on a GPU, fp32 on the CPU) and get() refreshes it from
+    the shards, one parameter at a time: an all-gather of the fp32 weights per call, and a whole copy's memory
+    on every rank (2 bytes per parameter on a GPU, besides the training shards). Under FSDP get() is a
+    collective: every rank calls it at the same point.
+    """
+
+    def __init__(self, lm: nn.Module, device: torch.device) -> None:
+        self.lm, self.device, self.copy = lm, device, None
+
+    @torch.no_grad()
+    def get(self) -> nn.Module:
+        if not is_sharded(self.lm):
+            return self.lm
+        from torch.distributed.tensor import DTensor
+        from transformers import AutoModelForCausalLM
+
+        _reshard(self.lm)
+        if self.copy is None:
+            with torch.device(self.device):
+                dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+                self.copy = AutoModelForCausalLM.from_config(self.lm.config, dtype=dtype).eval().requires_grad_(False)
+        params, buffers = dict(self.copy.named_parameters()), dict(self.copy.named_buffers())
+        for name, p in self.lm.named_parameters():  # the same order on every rank: the all-gathers match
+            params[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+        for name, b in self.lm.named_buffers():  # buffers are not sharded
+            buffers[name].copy_(b)
+        return self.copy
 
 
 # ======================================================================================================
@@ -1860,12 +2022,14 @@ def evaluate(
         formatted += sum(extract_final_answer(t) is not None for t in texts)
         if len(samples) < 3:
             samples += [
-                {"question": p.question, "completion": t, "gold": p.gold, "reward": r}
-                for p, t, r in zip(batch, texts, rewards)
+                (j, {"question": p.question, "completion": t, "gold": p.gold, "reward": r})
+                for j, p, t, r in zip(mine[i : i + batch_size], batch, texts, rewards)
             ][: 3 - len(samples)]
         bar.update(len(batch))
     bar.close()
     totals = all_reduce_sum(torch.tensor([correct, tokens, formatted, float(len(mine))], dtype=torch.float64))
+    gathered = sorted((js for part in all_gather_objects(samples) for js in part), key=lambda js: js[0])
+    samples = [s for _, s in gathered[:3]]  # the first three problems, whichever ranks evaluated them
     correct, tokens, formatted, n = totals.tolist()
     n = int(n)
     lo, hi = wilson_interval(correct, n)
@@ -2080,38 +2244,122 @@ def save_checkpoint(
     policy/ loads with AutoModelForCausalLM.from_pretrained as it stands; critic.safetensors; optimizer,
     scheduler and RNG states through torch.save of plain tensors and numbers (loaded with weights_only=True);
     state.json holds the step, the data position and the counters; args.json the arguments.
-    """
 
+    Call it on every rank; rank 0 writes. Under --fsdp every rank also writes its shards of the policy, the
+    critic and the optimizer into dcp/ through torch.distributed.checkpoint (instead of optimizer.pt), and
+    policy/ and critic.safetensors are gathered whole onto rank 0, so that they load as without FSDP. The
+    ranks agree on success before the rename: a failure on any rank keeps the last good checkpoint and raises
+    on every rank.
+    """
+    main = _rank() == 0
     final = run_dir / CHECKPOINT
-    tmp = run_dir / f".{CHECKPOINT}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays as it was
-        raise
-    # the previous checkpoint is kept under .checkpoint.old-PID until the new one is in place: a crash
-    # between the two renames leaves it there, and find_checkpoint() falls back on it
-    old = run_dir / f".{CHECKPOINT}.old-{os.getpid()}"
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    tmp = run_dir / f".{CHECKPOINT}.tmp-{_rank0_pid()}"  # one folder for every rank's shards
+    error: Exception | None = None
+    if main:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except Exception as e:
+            error = e
+    if all_ok(error is None):  # every rank takes part in both all_ok calls, whatever fails where
+        try:
+            whole = None
+            if is_sharded(policy):
+                whole = _gather_whole(policy, critic)  # on rank 0's CPU
+                _save_shards(tmp / "dcp", policy, critic, optimizer)
+            if main:
+                _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args, whole)
+        except Exception as e:
+            error = e
+        except BaseException:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    if not all_ok(error is None):
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays as it was
+        if error is not None:
+            raise error
+        raise RuntimeError("saving the checkpoint failed on another rank; the last good checkpoint was kept")
+    if main:
+        # the previous checkpoint is kept under .checkpoint.old-PID until the new one is in place: a crash
+        # between the two renames leaves it there, and find_checkpoint() falls back on it
+        old = run_dir / f".{CHECKPOINT}.old-{os.getpid()}"
+        if final.exists():
+            os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    if world_size() > 1:
+        dist.barrier()  # no rank goes on (or saves again) before the new checkpoint is in place
     return final
 
 
-def _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args) -> None:
+def _rank() -> int:
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def _rank0_pid() -> int:
+    box = [os.getpid()]
+    if world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _training_modules(policy: nn.Module, critic: nn.Module | None) -> nn.Module:
+    """Policy and critic under one module: the keys of a DCP checkpoint ('policy.model...', 'critic...')."""
+    return nn.ModuleDict({"policy": policy} if critic is None else {"policy": policy, "critic": critic})
+
+
+def _gather_whole(policy: nn.Module, critic: nn.Module | None) -> dict[str, Any]:
+    """Whole state dicts of a sharded policy and critic, on rank 0's CPU (empty elsewhere). A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    _reshard(policy)
+    tied = {n for n, _ in policy.named_parameters(remove_duplicate=False)} - {n for n, _ in policy.named_parameters()}
+    whole = get_model_state_dict(policy, options=options)
+    out = {"policy": {k: v for k, v in whole.items() if k not in tied}, "critic": None}  # as save_pretrained
+    if critic is not None:
+        out["critic"] = get_model_state_dict(critic, options=options)
+    return out
+
+
+def _save_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    _reshard(policy)
+    model_state, optim_state = get_state_dict(_training_modules(policy, critic), optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def _load_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
+    """Load dcp/ into the policy, critic and optimizer, sharded over any number of ranks or whole in one:
+    torch.distributed.checkpoint reads each rank's part of every tensor, whatever the sharding it was saved in."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    _reshard(policy)
+    modules = _training_modules(policy, critic)
+    model_state, optim_state = get_state_dict(modules, optimizer)
+    both = {"model": model_state, "optim": optim_state}
+    dcp.load(both, checkpoint_id=path, no_dist=not (dist.is_available() and dist.is_initialized()))
+    set_state_dict(modules, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+
+
+def _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args, whole=None) -> None:
     from safetensors.torch import save_file
 
-    unwrap(policy).save_pretrained(tmp / "policy", safe_serialization=True)
+    if whole is None:
+        unwrap(policy).save_pretrained(tmp / "policy", safe_serialization=True)
+        critic_state = unwrap(critic).state_dict() if critic is not None else {}
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    else:  # under --fsdp: whole weights gathered on this rank; the optimizer's shards are in dcp/
+        unwrap(policy).save_pretrained(tmp / "policy", state_dict=whole["policy"], safe_serialization=True)
+        critic_state = whole["critic"] or {}
     tokenizer.save_pretrained(tmp / "policy")
     if critic is not None and count_params(critic, trainable_only=False) > 0:
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in unwrap(critic).state_dict().items()},
-            str(tmp / "critic.safetensors"),
-        )
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        save_file({k: v.detach().contiguous().cpu() for k, v in critic_state.items()}, str(tmp / "critic.safetensors"))
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
@@ -2148,6 +2396,7 @@ def verify_checkpoint(path: Path) -> None:
 
 # Arguments that may change between a run and its resume; every other one must match.
 RESUMABLE_ARGS = {"resume", "run_dir", "total_steps", "eval_every", "save_every", "log_every", "test_size", "progress"}
+RESUMABLE_ARGS |= {"fsdp"}  # a checkpoint saved with --fsdp resumes with or without it (load_checkpoint)
 
 
 def load_checkpoint(
@@ -2161,13 +2410,17 @@ def load_checkpoint(
     map_location: torch.device,
 ) -> dict[str, Any]:
     """Restore everything save_checkpoint wrote; returns state.json. Refuses a damaged checkpoint and one
-    whose essential arguments differ from this run's."""
+    whose essential arguments differ from this run's. Call it on every rank.
+
+    A run saved on N ranks resumes on M (the data position and the batches are global): a checkpoint saved
+    without FSDP holds everything whole; one saved with --fsdp is resharded by torch.distributed.checkpoint,
+    onto FSDP shards or whole modules. The one mapping refused: --fsdp from a checkpoint saved without it."""
     from safetensors.torch import load_file
 
     path = find_checkpoint(run_dir)
     if path is None:
         raise UserError(f"--resume: no checkpoint in {run_dir}")
-    verify_checkpoint(path)
+    on_rank0(lambda: verify_checkpoint(path))  # hashed once, the verdict shared
     saved = json.loads((path / "args.json").read_text())
     now = json.loads(json.dumps(args, default=str))
     diff = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_ARGS and saved.get(k) != now.get(k))
@@ -2177,13 +2430,21 @@ def load_checkpoint(
             f"cannot resume {run_dir}: essential arguments differ ({shown}); the checkpoint was left in place"
         )
     state = json.loads((path / "state.json").read_text())
-    weights = load_file(str(path / "policy" / "model.safetensors"), device=str(map_location))
-    missing, unexpected = unwrap(policy).load_state_dict(weights, strict=False)
-    if unexpected or [k for k in missing if "lm_head" not in k]:
-        raise UserError(f"checkpoint {path}: policy weights do not match the model ({(missing + unexpected)[:3]})")
-    if critic is not None and (path / "critic.safetensors").is_file():
-        unwrap(critic).load_state_dict(load_file(str(path / "critic.safetensors"), device=str(map_location)))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
+    if (path / "dcp").is_dir():  # saved with --fsdp: reshards onto any number of ranks, with or without FSDP
+        _load_shards(path / "dcp", policy, critic, optimizer)
+    elif is_sharded(policy):
+        raise UserError(
+            f"cannot resume {run_dir} with --fsdp: its checkpoint was saved without it (on {state.get('world', 1)} "
+            "rank(s)) and holds the optimizer whole, not in shards; resume it without --fsdp, on any number of ranks"
+        )
+    else:
+        weights = load_file(str(path / "policy" / "model.safetensors"), device=str(map_location))
+        missing, unexpected = unwrap(policy).load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:
+            raise UserError(f"checkpoint {path}: policy weights do not match the model ({(missing + unexpected)[:3]})")
+        if critic is not None and (path / "critic.safetensors").is_file():
+            unwrap(critic).load_state_dict(load_file(str(path / "critic.safetensors"), device=str(map_location)))
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return state

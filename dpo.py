@@ -12,6 +12,7 @@ run folder as pairs.jsonl. `--online`: drawn again from the current policy every
     python dpo.py                                                  # offline gold pairs, on a GPU
     python dpo.py --pairs self --online                            # online self-labelled pairs
     torchrun --standalone --nproc_per_node=8 dpo.py                # data parallel on one node
+    torchrun --standalone --nproc_per_node=8 dpo.py --fsdp         # sharded (FSDP2), for a large model
     python dpo.py --model tiny --total-steps 2                     # a smoke run on the CPU
 
 Papers: DPO https://arxiv.org/abs/2305.18290; IPO https://arxiv.org/abs/2310.12036; online / iterative
@@ -20,7 +21,6 @@ DPO with verifier labels https://arxiv.org/abs/2404.19733
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 import tyro
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 import common
@@ -47,6 +46,8 @@ class Args:
     """continue the run in run_dir from its checkpoint"""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda"""
+    fsdp: bool = False
+    """under torchrun, shard the policy, reference and critic over the ranks (FSDP2) for a model one GPU cannot hold"""
     scale: str = "auto"
     """auto: scale the defaults down on a machine without a GPU; study: the study's settings; cpu: scale down"""
     progress: bool = True
@@ -150,7 +151,7 @@ def main() -> None:
     # setup
     # ==================================================================================================
     args = tyro.cli(Args)
-    dist_ = common.setup_distributed(args.device)
+    dist_ = common.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
     scaled = common.apply_cpu_scale(args, device, CPU_SCALE)
     if args.pairs not in ("self", "gold"):
@@ -180,14 +181,16 @@ def main() -> None:
     # ==================================================================================================
     # model
     # ==================================================================================================
-    policy = common.load_model(args.model, tokenizer, args.seed).to(device)
+    home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
+    policy = common.load_model(args.model, tokenizer, args.seed).to(home)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False)  # DPO's baseline: the log-ratio to this model
     critic = None  # DPO has no critic
     model = common.PolicyForward(policy, compile=args.compile)
     ref_model = common.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    ddp_model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if world > 1 else model
+    ddp_model = common.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
+    actor = common.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     opt_steps = args.total_steps * args.update_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -235,7 +238,7 @@ def main() -> None:
     def run_eval(split: str, size: int) -> dict:
         problems = splits[split][: size or None]
         res = common.evaluate(
-            policy,
+            actor.get(),
             tokenizer,
             problems,
             task=args.task,
@@ -248,21 +251,18 @@ def main() -> None:
         counters["eval_tokens"] += res["generated_tokens"]
         return res
 
-    def save() -> None:
+    def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
-        if dist_.main:
-            common.save_checkpoint(
-                run_dir,
-                policy=policy,
-                tokenizer=tokenizer,
-                critic=critic,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                state={"counters": counters, "sampler": sampler.state_dict(), "world": world},
-                args=args_dict,
-            )
-        if world > 1:
-            torch.distributed.barrier()
+        common.save_checkpoint(
+            run_dir,
+            policy=policy,
+            tokenizer=tokenizer,
+            critic=critic,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state={"counters": counters, "sampler": sampler.state_dict(), "world": world},
+            args=args_dict,
+        )
 
     def sample_pairs(idx: list[int], first: int, n_global: int, step: int, stream: int, gen_model) -> tuple:
         """This rank's prompts idx (global positions first.. of n_global) -> (pairs, stats). K samples per
@@ -318,6 +318,14 @@ def main() -> None:
                 for p, rc, rr in zip(pairs[s : s + micro], c.tolist(), r.tolist()):
                     p["ref_chosen"], p["ref_rejected"] = rc, rr
 
+    def spread(pairs: list[dict]) -> tuple[int, list[dict]]:
+        """Every rank's pairs gathered, then dealt out evenly, each pair whole; the last shares are padded with
+        zero-weight copies, so that every rank runs the same forwards.  -> (pairs over all ranks, this rank's share)"""
+        everyone = [p for part in common.all_gather_objects(pairs) for p in part]
+        per_rank = -(-len(everyone) // world)
+        padded = everyone + [dict(everyone[0], weight=0.0)] * (per_rank * world - len(everyone)) if everyone else []
+        return len(everyone), padded[dist_.rank * per_rank : (dist_.rank + 1) * per_rank]
+
     # offline: pairs drawn once from the reference model and cached in the run folder (pairs.jsonl)
     pair_set: list[dict] = []
     pair_stats = [0.0, 0.0, 0.0, 0.0]  # reward sum, completions, prompts without a pair, generated tokens
@@ -331,20 +339,24 @@ def main() -> None:
         else:
             offline = common.PromptSampler(len(splits["train"]), args.seed + 1).next(args.offline_prompts)
             chunk = args.eval_batch_size * world
+            gen_ref = common.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
             bar = tqdm(total=len(offline), desc="offline pairs", disable=not (dist_.main and args.progress))
-            for c, start in enumerate(range(0, len(offline), chunk)):
+            for start in range(0, len(offline), chunk):
                 part = offline[start : start + chunk]
                 per = -(-len(part) // world)  # the last chunk may leave a rank fewer prompts, or none
                 mine = part[dist_.rank * per : (dist_.rank + 1) * per]
-                pairs, stats = sample_pairs(mine, dist_.rank * per, per * world, 0, 10 + c, ref)
+                # uniforms indexed by the prompt's place in the whole offline list: the same samples on 1 rank or N
+                pairs, stats = sample_pairs(mine, start + dist_.rank * per, len(offline), 0, 10, gen_ref)
+                _, pairs = spread(pairs)  # the same number of reference forwards on every rank
                 reference_logps(pairs)
                 for gathered in common.all_gather_objects(pairs):
-                    pair_set += gathered
+                    pair_set += [p for p in gathered if p.get("weight", 1.0) > 0]
                 pair_stats = [a + b for a, b in zip(pair_stats, common.all_reduce_sum(torch.tensor(stats)).tolist())]
                 bar.update(len(part))
                 if args.token_budget and pair_stats[3] >= args.token_budget:
                     break
             bar.close()
+            del gen_ref
             counters["generated_tokens"] = int(pair_stats[3])
             if dist_.main:
                 tmp = pairs_path.with_name(".pairs.jsonl.tmp")
@@ -383,7 +395,7 @@ def main() -> None:
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
         if args.online:  # K fresh samples per prompt from the current policy
             batch_idx = sampler.next(args.batch_size)
-            pairs, stats = sample_pairs(batch_idx[lo:hi], lo, args.batch_size, step, 0, policy)
+            pairs, stats = sample_pairs(batch_idx[lo:hi], lo, args.batch_size, step, 0, actor.get())
             stats = common.all_reduce_sum(torch.tensor(stats)).tolist()
         else:  # a batch of the cached pairs
             pairs = [pair_set[i] for i in sampler.next(args.batch_size)[lo:hi]]
@@ -394,16 +406,12 @@ def main() -> None:
         # reward
         # ==================================================================================================
         if args.online:  # pairs stay whole; spread them evenly over ranks, padding with zero-weight copies
-            everyone = [p for part in common.all_gather_objects(pairs) for p in part]
-            if not everyone and step == 0:
+            n_real, pairs = spread(pairs)
+            if not n_real and step == 0:
                 raise common.UserError(
                     f"no prompt of the first batch yielded a {args.pairs} pair; try --pairs gold or more "
                     "--samples-per-prompt"
                 )
-            n_real = len(everyone)
-            per_rank = -(-n_real // world)
-            padded = everyone + [dict(everyone[0], weight=0.0)] * (per_rank * world - n_real) if everyone else []
-            pairs = padded[dist_.rank * per_rank : (dist_.rank + 1) * per_rank]
         else:
             n_real = args.batch_size
 
@@ -426,7 +434,7 @@ def main() -> None:
             for s in range(0, N, micro):
                 sl = slice(s, s + micro)
                 last_micro = s + micro >= N
-                sync = contextlib.nullcontext() if (world == 1 or last_micro) else ddp_model.no_sync()
+                sync = common.no_sync(ddp_model, last_micro)
                 with sync, ctx:
                     pi_c, pi_r = seq_logps(ddp_model, pairs[sl])
                     loss_pair, margin = common.dpo_loss(pi_c, pi_r, ref_c[sl], ref_r[sl], args.beta, args.loss)

@@ -11,6 +11,7 @@ sequence (the original) or constant (Dr. GRPO); `--baseline loo` uses the leave-
 
     python grpo.py                                                 # the study's settings on a GPU
     torchrun --standalone --nproc_per_node=8 grpo.py               # data parallel on one node
+    torchrun --standalone --nproc_per_node=8 grpo.py --fsdp        # sharded (FSDP2), for a large model
     python grpo.py --model tiny --total-steps 2                    # a smoke run on the CPU
 
 Papers: GRPO https://arxiv.org/abs/2402.03300; Dr. GRPO https://arxiv.org/abs/2503.20783;
@@ -19,7 +20,6 @@ RLOO https://arxiv.org/abs/2402.14740; DAPO (clip-higher, token-level loss) http
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import time
@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 import tyro
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm.auto import tqdm
 
 import common
@@ -45,6 +44,8 @@ class Args:
     """continue the run in run_dir from its checkpoint"""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda"""
+    fsdp: bool = False
+    """under torchrun, shard the policy, reference and critic over the ranks (FSDP2) for a model one GPU cannot hold"""
     scale: str = "auto"
     """auto: scale the defaults down on a machine without a GPU; study: the study's settings; cpu: scale down"""
     progress: bool = True
@@ -163,7 +164,7 @@ def main() -> None:
     # setup
     # ==================================================================================================
     args = tyro.cli(Args)
-    dist_ = common.setup_distributed(args.device)
+    dist_ = common.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
     scaled = common.apply_cpu_scale(args, device, CPU_SCALE)
     if args.group_size < 2:
@@ -200,14 +201,16 @@ def main() -> None:
     # ==================================================================================================
     # model
     # ==================================================================================================
-    policy = common.load_model(args.model, tokenizer, args.seed).to(device)
+    home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
+    policy = common.load_model(args.model, tokenizer, args.seed).to(home)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
     critic = None  # GRPO has no critic: the group is the baseline
     model = common.PolicyForward(policy, compile=args.compile)
     ref_model = common.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    ddp_model = DDP(model, device_ids=[dist_.local_rank] if device.type == "cuda" else None) if world > 1 else model
+    ddp_model = common.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
+    actor = common.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     opt_steps = args.total_steps * args.update_epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -256,7 +259,7 @@ def main() -> None:
     def run_eval(split: str, size: int) -> dict:
         problems = splits[split][: size or None]
         res = common.evaluate(
-            policy,
+            actor.get(),
             tokenizer,
             problems,
             task=args.task,
@@ -269,21 +272,18 @@ def main() -> None:
         counters["eval_tokens"] += res["generated_tokens"]
         return res
 
-    def save() -> None:
+    def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
-        if dist_.main:
-            common.save_checkpoint(
-                run_dir,
-                policy=policy,
-                tokenizer=tokenizer,
-                critic=critic,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                state={"counters": counters, "sampler": sampler.state_dict(), "world": world},
-                args=args_dict,
-            )
-        if world > 1:
-            torch.distributed.barrier()
+        common.save_checkpoint(
+            run_dir,
+            policy=policy,
+            tokenizer=tokenizer,
+            critic=critic,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state={"counters": counters, "sampler": sampler.state_dict(), "world": world},
+            args=args_dict,
+        )
 
     bar = tqdm(
         total=args.total_steps, initial=counters["step"], desc="grpo", disable=not (dist_.main and args.progress)
@@ -303,8 +303,9 @@ def main() -> None:
         uniforms = common.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
         uniforms = uniforms[lo * args.group_size : hi * args.group_size]
         prompts = [prompt_ids(i) for i in local_idx]
+        gen = actor.get()  # the policy with whole weights
         ro = common.generate(
-            policy,
+            gen,
             prompts,
             max_new_tokens=args.max_new_tokens,
             eos_id=eos,
@@ -347,11 +348,12 @@ def main() -> None:
         if args.mc_every and step % args.mc_every == 0:  # measure the baseline against Monte Carlo
             t_mc = time.time()
             k, n_meas = args.mc_samples, args.mc_prompts // world
-            rows = list(range(0, n_meas * args.group_size, args.group_size))  # one row per measured prompt
+            measured = common.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
+            rows = [i * args.group_size for i in measured]  # one row per measured prompt
             mc_u = common.step_uniforms(args.seed, step, 1, args.mc_prompts * k, args.max_new_tokens, device)
             mc_u = mc_u[dist_.rank * n_meas * k : (dist_.rank + 1) * n_meas * k]
             p_hat, mc_tok = common.mc_values(
-                policy,
+                gen,
                 tokenizer,
                 [prompts[r] for r in rows],
                 [[] for _ in rows],
@@ -363,7 +365,7 @@ def main() -> None:
                 temperature=args.temperature,
                 top_p=args.top_p,
             )
-            members = torch.arange(n_meas * args.group_size)  # every completion of the measured groups
+            members = torch.tensor([r + i for r in rows for i in range(args.group_size)])  # the measured groups
             local = {
                 "pred": baseline_values.cpu()[members],
                 "mc": p_hat.repeat_interleave(args.group_size),
@@ -387,17 +389,18 @@ def main() -> None:
         sums: dict[str, float] = {}
         B = len(prompts)
         for epoch in range(args.update_epochs):
-            g = torch.Generator().manual_seed(args.seed * 7 + step * 131 + epoch)
-            perm = torch.randperm(B, generator=g)  # the same on every rank: shares shuffle within themselves
-            for mb in range(args.num_minibatches):
-                mb_rows = perm[mb * minibatch : (mb + 1) * minibatch]
+            # the same global minibatches on one rank or N; this rank holds `minibatch` rows of each
+            deal = common.minibatch_rows(
+                B, args.num_minibatches, lo * args.group_size, n_rollouts, args.seed * 7 + step * 131 + epoch
+            )
+            for mb_rows in deal:
                 n_tok = common.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
                 n_seq = torch.tensor(float(minibatch * world), device=device)  # the minibatch's sequences
                 micro_batches = common.length_sorted_micro_batches(mb_rows, seq_len, micro)
                 for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
                     last_micro = j == len(micro_batches) - 1
-                    sync = contextlib.nullcontext() if (world == 1 or last_micro) else ddp_model.no_sync()
+                    sync = common.no_sync(ddp_model, last_micro)
                     with sync, ctx:
                         logp, entropy, _ = ddp_model(input_ids[rows], attn[rows], P, args.temperature)
                         pg_loss, clipped = common.clipped_surrogate(

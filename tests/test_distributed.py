@@ -1,0 +1,361 @@
+"""torchrun on the CPU (gloo), `--model tiny`: two processes compute what one process computes with the same
+global batch, a SIGTERM to one rank leaves a checkpoint that resumes (on one rank), --fsdp (FSDP2) trains and
+resumes from a DCP checkpoint saved on two ranks, and bad input stops every rank with one line from rank 0.
+
+Why the data here is synthetic: a row's fp32 logits change in their last bits with the width its prompt is
+left-padded to, and inverse-CDF sampling over a 49k vocabulary turns such a change into a different token now
+and then (often, at temperature 1, for the tiny random model's flat tail). Two ranks pad each half of the batch
+to its own longest prompt, one process pads the whole batch, so these tests use problems whose prompts all
+have the same number of tokens: then the rollouts are bitwise the same on one rank or two. A lower temperature
+and top-p keep the float-level differences of the first update from flipping a token of the second step's
+rollouts. What is compared is the distributed bookkeeping: shards, all-reduced statistics, loss normalisers,
+gradient averaging, minibatches, checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, check_ok, cli, trainer_env
+
+import common
+
+# Small enough that a torchrun of two steps takes about ten seconds on two cores (mostly startup).
+BASE = {
+    "model": "tiny",
+    "val-size": 8,
+    "max-new-tokens": 16,
+    "eval-every": 0,
+    "eval-size": 8,
+    "test-size": 8,
+    "eval-max-new-tokens": 8,
+    "total-steps": 2,
+    "temperature": 0.7,
+    "top-p": 0.9,
+    "lr": 1e-4,
+}
+RUNS = {  # trainer, flags: every trainer, the MC measurement, both DPO regimes, a loss normaliser over all ranks
+    "ppo": ("ppo.py", dict(task="toy", critic="small", batch_size=8, micro_batch_size=2, num_minibatches=2,
+                           mc_every=1, mc_prompts=2, mc_samples=2)),
+    "grpo": ("grpo.py", dict(task="toy", batch_size=4, group_size=4, micro_batch_size=2, num_minibatches=2,
+                             loss_norm="sequence", mc_every=1, mc_prompts=2, mc_samples=2)),
+    "dpo-online": ("dpo.py", dict(task="toy", pairs="self", online=True, batch_size=4, samples_per_prompt=4,
+                                  micro_batch_size=1)),
+    "dpo-offline": ("dpo.py", dict(task="gsm8k", pairs="gold", batch_size=4, samples_per_prompt=2,
+                                   offline_prompts=8, micro_batch_size=1)),
+}  # fmt: skip
+REL_TOL = 2e-5  # max |one - two| / max |one| per tensor, fp32 (measured: ~3e-6 and below)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """A GSM8K-format folder whose prompts all have the same number of tokens (see the module docstring)."""
+    rows = []
+    for i in range(600):
+        a, b = 10 + i % 80, 3 + (i * 7) % 50
+        question = f"Tom has {a} apples and buys {b} more. How many apples does he have now?"
+        rows.append({"question": question, "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b}.\n#### {a + b}"})
+    lengths = [len(common.encode_prompt(tiny_tokenizer, r["question"])) for r in rows]
+    common_length = Counter(lengths).most_common(1)[0][0]
+    rows = [r for r, n in zip(rows, lengths) if n == common_length]
+    assert len(rows) >= 200
+    folder = tmp_path_factory.mktemp("gsm8k-equal-length")
+    for split, part in (("train", rows[:-16]), ("test", rows[-16:])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    return folder
+
+
+def env() -> dict[str, str]:
+    # one thread per process, as torchrun sets it: the BLAS then rounds alike in every run
+    return dict(trainer_env(), OMP_NUM_THREADS="1")
+
+
+def flags(run_dir: Path, data: Path, **extra) -> list[str]:
+    return cli(run_dir, BASE, data_dir=data, **extra)
+
+
+def one_process(script: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / script), *args], cwd=REPO, env=env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run(
+        [*cmd, str(REPO / script), *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_ranks(script: str, args: list[str], world: int = 2, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """`world` processes with the environment torchrun gives its workers, so that each rank's exit code and
+    stderr can be read; a rank that hangs fails the test at the timeout."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        rank_env = dict(env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(REPO / script), *args],
+                cwd=REPO,
+                env=rank_env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )  # fmt: skip
+        )
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return done
+
+
+def weights(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    ckpt = Path(run_dir) / common.CHECKPOINT
+    out = {"policy": load_file(ckpt / "policy" / "model.safetensors")}
+    if (ckpt / "critic.safetensors").is_file():
+        out["critic"] = load_file(ckpt / "critic.safetensors")
+    return out
+
+
+def assert_same_weights(one: Path, two: Path, seed: int = 1) -> None:
+    """Every tensor of policy (and critic) within REL_TOL, and the runs far from trivial: the policy moved
+    from its init by much more than the two runs differ."""
+    a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()
+    for part in a:
+        assert a[part].keys() == b[part].keys(), part
+        for k in a[part]:
+            diff = (a[part][k] - b[part][k]).abs().max().item()
+            scale = a[part][k].abs().max().clamp(min=1e-12).item()
+            assert diff <= REL_TOL * scale, f"{part} {k}: max |one - two| = {diff:.3g}, max |one| = {scale:.3g}"
+    init = common.load_model("tiny", common.load_tokenizer("tiny"), seed=seed).state_dict()
+    moved = max((a["policy"][k] - init[k]).abs().max().item() for k in a["policy"])
+    differ = max((a["policy"][k] - b["policy"][k]).abs().max().item() for k in a["policy"])
+    assert moved > 1e-5 and differ < 1e-2 * moved, (moved, differ)
+
+
+def step_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r or "reward" in r]
+
+
+# Timings, and ratios over the few states the MC measurement takes: a correlation, a whitening or an explained
+# variance of two nearly equal numbers turns float-level differences into a flipped sign or a factor of ten.
+# Every other logged number is compared.
+NOT_COMPARED = ("time/", "tokens_per_s", "mc/seconds", "mc/white/", "pearson", "explained_variance")
+
+
+def assert_same_curve(one: Path, two: Path) -> None:
+    """The same rollouts (exact counts) and the same losses and statistics (float tolerance) at every step."""
+    rows_a, rows_b = step_rows(one), step_rows(two)
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b]
+    for ra, rb in zip(rows_a, rows_b):
+        assert ra["generated_tokens"] == rb["generated_tokens"], "the rollouts differ"
+        assert ra.keys() == rb.keys()
+        for key, va in ra.items():
+            if any(part in key for part in NOT_COMPARED) or not isinstance(va, float):
+                continue
+            # abs: means like pg_loss cancel terms of order 1, so their float noise is absolute, not relative
+            assert va == pytest.approx(rb[key], rel=1e-4, abs=2e-5), f"step {ra['step']} {key}: {va} vs {rb[key]}"
+
+
+# ------------------------------------------------------------------------------------------------------
+# two processes == one process
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ppo_single(tmp_path_factory, data_dir) -> Path:
+    """The one-process PPO run that several tests compare with."""
+    run_dir = tmp_path_factory.mktemp("ppo-one") / "run"
+    check_ok(one_process("ppo.py", flags(run_dir, data_dir, **RUNS["ppo"][1])))
+    return run_dir
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
+    script, extra = RUNS[name]
+    one, two = tmp_path / "one", tmp_path / "two"
+    if name == "ppo":
+        one = ppo_single
+    else:
+        check_ok(one_process(script, flags(one, data_dir, **extra)))
+    proc = torchrun(script, flags(two, data_dir, **extra))
+    check_ok(proc)
+    assert proc.stdout.count("test accuracy") == 1, "rank 0 alone reports"
+    assert_same_weights(one, two)
+    assert_same_curve(one, two)
+    res_a, res_b = (json.loads((d / "results.json").read_text()) for d in (one, two))
+    assert res_b["device"].startswith("2 x cpu") and res_a["device"].startswith("1 x cpu")
+    for split in ("val", "test"):  # evaluation is split over the ranks and gathered
+        assert res_a[split]["n"] == res_b[split]["n"] == 8
+        assert res_a[split]["accuracy"] == res_b[split]["accuracy"]
+        assert res_a[split]["samples"] == res_b[split]["samples"]
+    state = json.loads((two / common.CHECKPOINT / "state.json").read_text())
+    assert state["world"] == 2 and state["counters"]["step"] == 2
+
+
+# ------------------------------------------------------------------------------------------------------
+# SIGTERM to one rank: every rank stops after the same step, one checkpoint, which resumes on one rank
+# ------------------------------------------------------------------------------------------------------
+
+SIGTERM_RUN = dict(RUNS["ppo"][1], total_steps=4, batch_size=8, max_new_tokens=24)
+
+
+def rank_pid(tag: str, rank: int, timeout: float = 60) -> int:
+    """The pid of the torchrun worker with RANK=rank among processes started with RLVR_TEST_TAG=tag."""
+    want = {f"RLVR_TEST_TAG={tag}".encode(), f"RANK={rank}".encode()}
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    env_vars = set((entry / "environ").read_bytes().split(b"\0"))
+                except OSError:
+                    continue
+                if want <= env_vars:
+                    return int(entry.name)
+        time.sleep(0.1)
+    raise AssertionError(f"no worker with RANK={rank} found")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's pid through /proc (Linux)")
+def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, data_dir):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    check_ok(one_process("ppo.py", flags(straight, data_dir, **SIGTERM_RUN)))
+
+    tag = uuid.uuid4().hex
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    with open(tmp_path / "split.log", "w") as log:
+        proc = subprocess.Popen(
+            [*cmd, str(REPO / "ppo.py"), *flags(split, data_dir, **SIGTERM_RUN)],
+            cwd=REPO, env=dict(env(), RLVR_TEST_TAG=tag), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            pid = rank_pid(tag, rank=1)
+            deadline = time.time() + 180
+            while not ((split / "metrics.jsonl").is_file() and (split / "metrics.jsonl").read_text().strip()):
+                assert proc.poll() is None and time.time() < deadline, "no step logged"
+                time.sleep(0.05)
+            os.kill(pid, signal.SIGTERM)  # rank 1 only; rank 0 learns of it through the all-reduced flag
+            rc = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = (tmp_path / "split.log").read_text()
+    assert rc == 0, out[-3000:]
+    stopped_at = json.loads((split / common.CHECKPOINT / "state.json").read_text())["counters"]["step"]
+    assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
+    assert f"stopped by a signal on another rank after step {stopped_at}" in out, out[-3000:]
+    assert not (split / "results.json").exists()
+    assert sorted(p.name for p in split.iterdir() if p.name.startswith(".")) == [], "a temporary folder was left"
+    common.verify_checkpoint(split / common.CHECKPOINT)
+
+    # saved on two ranks, resumed in one process: the same end as the straight run
+    check_ok(one_process("ppo.py", flags(split, data_dir, **SIGTERM_RUN, resume=True)))
+    assert_same_weights(straight, split)
+    assert_same_curve(straight, split)
+    assert json.loads((split / "results.json").read_text())["steps"] == 4
+
+
+# ------------------------------------------------------------------------------------------------------
+# --fsdp: FSDP2 shards, a DCP checkpoint saved on two ranks, resumed on one
+# ------------------------------------------------------------------------------------------------------
+
+
+def fsdp_missing() -> str | None:
+    try:
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as e:
+        return f"this PyTorch ({torch.__version__}) has no FSDP2 / DCP state-dict API: {e}"
+    return None
+
+
+FSDP_RUN = dict(RUNS["ppo"][1], critic="full")  # policy, reference and a full critic all sharded
+
+
+@pytest.mark.skipif(fsdp_missing() is not None, reason=str(fsdp_missing()))
+def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
+    one, two = tmp_path / "one", tmp_path / "two"
+    check_ok(one_process("ppo.py", flags(one, data_dir, **FSDP_RUN)))
+    check_ok(torchrun("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True)))
+    ckpt = two / common.CHECKPOINT
+    common.verify_checkpoint(ckpt)
+    assert {p.name for p in (ckpt / "dcp").iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert not (ckpt / "optimizer.pt").exists(), "the optimizer's shards are in dcp/"
+    assert_same_weights(one, two)  # policy/ and critic.safetensors, gathered whole on rank 0
+    assert_same_curve(one, two)
+
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(ckpt / "policy")  # still a plain transformers folder
+
+    # one more step: one process from its own checkpoint; the two-rank FSDP checkpoint resharded onto one rank
+    check_ok(one_process("ppo.py", flags(one, data_dir, **{**FSDP_RUN, "total_steps": 3}, resume=True)))
+    check_ok(torchrun("ppo.py", flags(two, data_dir, **{**FSDP_RUN, "total_steps": 3}, fsdp=True, resume=True), 1))
+    assert_same_weights(one, two)
+    assert_same_curve(one, two)
+
+
+# ------------------------------------------------------------------------------------------------------
+# bad input: one line on rank 0, a non-zero exit on every rank, no rank left waiting
+# ------------------------------------------------------------------------------------------------------
+
+
+def check_all_ranks_refuse(procs: list[subprocess.CompletedProcess], named: str) -> None:
+    for rank, p in enumerate(procs):
+        assert p.returncode == 2, f"rank {rank} exited {p.returncode}\n{p.stderr[-2000:]}"
+        assert "Traceback" not in p.stderr + p.stdout, p.stderr
+    lines = procs[0].stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], procs[0].stderr
+    assert all(not p.stderr.strip() for p in procs[1:]), "only rank 0 reports"
+
+
+def test_a_batch_the_world_size_does_not_divide_stops_every_rank(tmp_path, data_dir):
+    for script, extra in (RUNS["ppo"], RUNS["grpo"], RUNS["dpo-online"]):
+        procs = as_ranks(script, flags(tmp_path / script, data_dir, **{**extra, "batch_size": 3}))
+        check_all_ranks_refuse(procs, "--batch-size (3) must be a positive multiple of the world size (2)")
+
+
+def test_fsdp_without_torchrun_is_one_error_line(tmp_path, data_dir):
+    proc = one_process("ppo.py", flags(tmp_path / "run", data_dir, **RUNS["ppo"][1], fsdp=True))
+    check_all_ranks_refuse([proc], "--fsdp")
+    assert "torchrun" in proc.stderr
+
+
+def test_fsdp_resume_of_a_checkpoint_saved_without_it_stops_every_rank(tmp_path, data_dir, ppo_single):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(ppo_single, run_dir)
+    procs = as_ranks("ppo.py", flags(run_dir, data_dir, **{**RUNS["ppo"][1], "total_steps": 3}, fsdp=True, resume=True))
+    check_all_ranks_refuse(procs, "saved without it")
