@@ -573,26 +573,30 @@ def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
 # ======================================================================================================
 
 
-def estimate(runs: list[dict[str, Any]], steps: int, seeds: int) -> tuple[list[dict[str, Any]], float]:
-    """Seconds per run of the full sweep, one after another on the hardware the runs were made on.
+def estimate(
+    runs: list[dict[str, Any]], steps: int, seeds: int, eval_every: int = 25
+) -> tuple[list[dict[str, Any]], float]:
+    """Seconds per run of the full sweep, one run after another on the hardware the runs were made on.
 
-    For each run: t = steps_planned * (mean time/step after the first step) + evaluations * (mean val seconds)
-    + test seconds + other (wall time not in steps or evaluations: offline DPO's pair sampling, checkpoints).
-    steps_planned = --steps; a budget-matched run scales its measured steps by --steps / its GRPO reference's
-    steps (its budget grows with GRPO's steps), and so does budget-matched offline DPO's pair sampling.
+    Per run: steps_planned x s/step (time/step less the MC measurement in it, after the first step: warm-up)
+    + MC measurements (one every --mc-every steps) x their mean seconds + evaluations (one every eval_every
+    steps and a final one) x mean val seconds + the test + the rest of the run's wall time (offline DPO's pair
+    sampling, checkpoints). steps_planned = steps; a budget-matched run scales its measured steps by steps / its
+    GRPO reference's steps (its budget grows with GRPO's steps), and budget-matched offline DPO's pair sampling
+    scales the same way. Process start-up and model loading (before a run's clock starts) are not counted.
     """
     ref_steps = {r["seed"]: r["steps"] for r in runs if r["experiment"] == "h2h" and r["method"] == "grpo"}
     kinds: dict[tuple[str, str], list[float]] = {}
     detail: dict[tuple[str, str], dict[str, Any]] = {}
     for r in runs:
-        rows = r["rows"]
-        times = r["step_times"][1:] if len(r["step_times"]) > 1 else r["step_times"]
-        t_step = mean(times)
-        evals = [row["val/seconds"] for row in rows if finite(row.get("val/seconds"))]
+        train = [row for row in r["rows"] if finite(row.get("time/step"))]
+        no_mc = [row["time/step"] - (row.get("mc/seconds") or 0.0) for row in train]
+        t_step = mean(no_mc[1:] if len(no_mc) > 1 else no_mc)
+        t_mc = mean([row["mc/seconds"] for row in train if finite(row.get("mc/seconds"))])
+        evals = [row["val/seconds"] for row in r["rows"] if finite(row.get("val/seconds"))]
         t_eval = mean(evals)
         t_test = r["test_seconds"] if finite(r["test_seconds"]) else t_eval
-        other = max(0.0, r["wall_time_s"] - sum(r["step_times"]) - sum(evals) - (t_test if finite(t_test) else 0))
-        factor = 1.0
+        other = max(0.0, r["wall_time_s"] - sum(r["step_times"]) - sum(evals) - (t_test if finite(t_test) else 0.0))
         planned = steps
         if r["token_budget"] and r["seed"] in ref_steps:
             factor = steps / max(ref_steps[r["seed"]], 1)
@@ -600,9 +604,10 @@ def estimate(runs: list[dict[str, Any]], steps: int, seeds: int) -> tuple[list[d
                 planned = round(r["steps"] * factor)
             else:
                 other *= factor  # offline DPO: sampling its pairs is what the budget pays for
-        eval_every = int(r["args"].get("eval_every") or 0)
+        mc_every = int(r["args"].get("mc_every") or 0)
+        n_mc = -(-planned // mc_every) if mc_every and finite(t_mc) else 0
         n_evals = ((planned - 1) // eval_every if eval_every else 0) + 1  # during training, then the final one
-        total = planned * t_step + n_evals * t_eval + t_test + other
+        total = planned * t_step + n_mc * (t_mc if n_mc else 0.0) + n_evals * t_eval + t_test + other
         key = (r["experiment"], r["run"])
         kinds.setdefault(key, []).append(total)
         detail[key] = {
@@ -610,6 +615,7 @@ def estimate(runs: list[dict[str, Any]], steps: int, seeds: int) -> tuple[list[d
             "run": r["run"],
             "device": r["device"],
             "s_per_step": t_step,
+            "s_per_mc": t_mc,
             "s_per_eval": t_eval,
             "planned_steps": planned,
             "other_s": other,
@@ -623,20 +629,21 @@ def estimate(runs: list[dict[str, Any]], steps: int, seeds: int) -> tuple[list[d
     return out, grand
 
 
-def estimate_markdown(runs: list[dict[str, Any]], steps: int, seeds: int) -> str:
-    rows, total = estimate(runs, steps, seeds)
+def estimate_markdown(runs: list[dict[str, Any]], steps: int, seeds: int, eval_every: int = 25) -> str:
+    rows, total = estimate(runs, steps, seeds, eval_every)
     lines = [
-        f"Estimated from the step times in these runs' metrics.jsonl, for {steps} steps and {seeds} seed(s), one run "
-        "after another on the hardware they ran on (`python report.py --estimate OUT --steps S --seeds N`):",
+        f"Estimated from the step times in these runs' metrics.jsonl, for {steps} steps, an evaluation every "
+        f"{eval_every} steps and {seeds} seed(s), one run after another on the hardware they ran on "
+        "(`python report.py --estimate OUT --steps S --seeds N`; start-up and model loading not counted):",
         "",
-        "| experiment | run | measured on | s/step | s/eval | steps | per seed | all seeds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| experiment | run | measured on | s/step | s/MC | s/eval | steps | per seed | all seeds |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['experiment']} | {r['run']} | {r['device']} | {fmt_num(r['s_per_step'], 2)} | "
-            f"{fmt_num(r['s_per_eval'], 1)} | {r['planned_steps']} | {fmt_time(r['per_seed_s'])} | "
-            f"{fmt_time(r['all_seeds_s'])} |"
+            f"{fmt_num(r['s_per_mc'], 1)} | {fmt_num(r['s_per_eval'], 1)} | {r['planned_steps']} | "
+            f"{fmt_time(r['per_seed_s'])} | {fmt_time(r['all_seeds_s'])} |"
         )
     lines += ["", f"**Total: {fmt_time(total)}** ({total / 3600:.2f} h) on one device, one run after another."]
     return "\n".join(lines)
@@ -759,10 +766,10 @@ def write_report(out: Path, report_dir: Path) -> Path:
         lines.append(
             "These runs were made on the CPU, so they say nothing about a GPU. On a GPU, run the sweep briefly at the "
             "study's settings and extrapolate from its step times:\n\n"
-            "    ./sweep.sh --seeds 1 --scale study --out runs/timing -- --total-steps 10 --eval-every 5\n"
+            "    ./sweep.sh --seeds 1 --scale study --out runs/timing -- --total-steps 12 --eval-every 6\n"
             "    python report.py --estimate runs/timing --steps 200 --seeds 3\n\n"
-            "per run: steps x (s/step) + evaluations x (s/eval) + test + the rest (offline DPO's pair sampling); "
-            "summed over the runs of one seed, times the seeds."
+            "per run: steps x s/step + MC measurements x s/MC + evaluations x s/eval + the test + the rest "
+            "(offline DPO's pair sampling); summed over the 17 runs of one seed, times the seeds."
         )
     text = "\n".join(lines) + "\n"
     (report_dir / "report.md").write_text(text)
@@ -832,6 +839,7 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=200, help="--estimate: the study's steps per run (default 200)")
     p.add_argument("--seeds", type=int, default=3, help="--estimate: seeds in the full sweep (default 3)")
+    p.add_argument("--eval-every", type=int, default=25, help="--estimate: the study's --eval-every (default 25)")
     p.add_argument("--check", nargs="+", metavar="DIR", help="(sweep.sh) print finished, resume or new per run folder")
     p.add_argument("--dry-run", action="store_true", help="--check: say what would be set aside, move nothing")
     p.add_argument("--budget", nargs="+", metavar="DIR", help="(sweep.sh) print a reference run's tokens and steps")
@@ -851,7 +859,7 @@ def main() -> None:
             print(f"warning: {line}", file=sys.stderr)
         if not runs:
             raise common.UserError(f"no finished run (results.json) under {a.estimate}/<experiment>/<run>/")
-        print(estimate_markdown(runs, a.steps, a.seeds))
+        print(estimate_markdown(runs, a.steps, a.seeds, a.eval_every))
     else:
         out = Path(a.out)
         if not out.is_dir():

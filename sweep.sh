@@ -495,13 +495,19 @@ if [[ $LAUNCHER == torchrun ]]; then
   fi
 fi
 
+if ((!DRY_RUN)); then
+  mkdir -p "$OUT"
+  if command -v flock >/dev/null; then # two sweeps on one folder would run the same runs twice
+    exec 9>"$OUT/.sweep.lock"
+    flock -n 9 || die "another sweep.sh is running on $OUT (it holds $OUT/.sweep.lock)"
+  fi
+fi
 all=()
 for ((i = 0; i < N_RUNS; i++)); do all+=("$i"); done
 states "${all[@]}"
 echo "sweep: ${#EXP_LIST[@]} experiment(s) (${EXP_LIST[*]}), seeds ${SEED_LIST[*]}, model $MODEL, scale $SCALE," \
   "launcher $LAUNCHER: $N_RUNS runs into $OUT"
 if ((!DRY_RUN)); then
-  mkdir -p "$OUT"
   for ((i = 0; i < N_RUNS; i++)); do printf '%s\t%s\t%s\n' "${P_EXP[$i]}" "${P_NAME[$i]}" "${P_DIR[$i]}"; done >"$OUT/plan.tsv"
 fi
 
