@@ -269,6 +269,7 @@ run_one() {
   mkdir -p "$(dirname "$log")"
   if ! build_cmd "$i"; then
     echo "FAIL  $(label "$i"): $BUILD_ERR"
+    echo "=== $(date '+%F %T') $BUILD_ERR" >>"$log"
     echo "failed 1 0 $BUILD_ERR" >"$status"
     return 0
   fi
@@ -384,7 +385,8 @@ run_indices() { # indices...: with the chosen launcher
   if [[ $LAUNCHER == gpus ]]; then run_pool "$@"; else run_seq "$@"; fi
 }
 
-summary() { # one line per unfinished run, then the count; returns 1 when a run failed
+N_OK=0
+summary() { # one line per unfinished run, then the count (N_OK); returns 1 when a run failed
   local i n_ok=0 st rc=0
   local -a bad=()
   for ((i = 0; i < N_RUNS; i++)); do
@@ -399,6 +401,7 @@ summary() { # one line per unfinished run, then the count; returns 1 when a run 
     *) bad+=("$(label "$i") (not run)") ;;
     esac
   done
+  N_OK=$n_ok
   echo "sweep: $n_ok of $N_RUNS runs finished in $OUT"
   local b
   for b in ${bad[@]+"${bad[@]}"}; do echo "  unfinished: $b"; done
@@ -547,5 +550,5 @@ if ((STOP)); then
   echo "sweep: stopped by a signal; run the same command again to resume"
   exit 130
 fi
-make_report || rc=$?
+if ((N_OK > 0)); then make_report || rc=$?; fi
 exit $rc
