@@ -1,0 +1,872 @@
+"""The sweep's report: a results table (Markdown and CSV) and plots from the runs' results.json and metrics.jsonl.
+
+sweep.sh writes every run into OUT/<experiment>/<method>-<variant>-s<seed> and calls this at the end; it also
+works on demand, on whatever runs a folder holds. matplotlib draws the plots when it is installed (it is in
+requirements.txt); without it the tables are still written.
+
+    python report.py runs/sweep                         # -> runs/sweep/report/: report.md, summary.csv, runs.csv, *.png
+    python report.py --estimate runs/timing --steps 200 --seeds 3   # the full sweep's duration from measured step times
+
+sweep.sh's helpers (one line of output per folder, in order):
+
+    python report.py --check DIR...                     # finished, resume or new; a damaged results.json is set aside
+    python report.py --budget DIR...                    # a reference run's generated training tokens and steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+
+EXPERIMENTS = ("critic", "h2h", "labels")
+VARIANT_ORDER = [
+    "ppo-none",
+    "ppo-small",
+    "ppo-medium",
+    "ppo-large",
+    "ppo-full",
+    "grpo-group",
+    "dpo-self-offline",
+    "dpo-self-online",
+    "dpo-gold-offline",
+    "dpo-gold-online",
+]
+# metrics.jsonl keys of each MC measurement (common.baseline_report), averaged over a run's measurements
+MC_KEYS = {
+    "rmse": "mc/value/rmse",
+    "bias": "mc/value/bias",
+    "centred_rmse": "mc/value/centred_rmse",
+    "within_prompt_rmse": "mc/value/within_group_rmse",
+    "explained_variance": "mc/value/explained_variance",
+    "pearson": "mc/value/pearson",
+    "mc_noise_var": "mc/value/mc_noise_var",
+}
+ERROR_COLUMNS = [
+    "rmse",
+    "bias",
+    "centred_rmse",
+    "centred_rmse_nc",
+    "within_prompt_rmse",
+    "explained_variance",
+    "pearson",
+    "mc_noise_var",
+]
+
+DEFINITIONS = """\
+How to read it:
+- **test accuracy**: greedy, strict `####` answer, on the test problems (n in runs.csv). One seed: the run's
+  Wilson 95% interval. Several seeds: the mean over seeds with a normal 95% interval (common.mean_interval,
+  mean +- 1.96 sd / sqrt(n)); with 3 seeds that interval is optimistic, so the spread (sd over seeds) is shown too.
+- **generated tokens**: tokens of training rollouts only, the compute that the head-to-head matches. Monte Carlo
+  measurement tokens never train and are counted apart (mc_tokens in the CSV), as are evaluation tokens.
+- **matched compute (h2h)**: for each seed, grpo.py runs first for the scale's steps; its generated tokens are the
+  budget. Every PPO critic and online DPO then run with `--token-budget` = that budget (and a step cap 10x GRPO's
+  steps, so that the budget ends them); a run stops after the step that reaches the budget, so it can overshoot by
+  one step's tokens ("vs budget"). Offline DPO spends the budget once, sampling its pairs from the reference
+  model, then trains for GRPO's number of steps.
+- **critic error** (against Monte Carlo: K fresh rollouts from each measured state, common.baseline_report): RMSE
+  and bias count a constant offset; **centred RMSE** (the error's std) does not, since whitening removes it;
+  **centred, noise-corrected** = sqrt(max(0, centred RMSE^2 - the MC target's own variance mean(p(1-p)/(K-1))));
+  **within-prompt RMSE** removes each prompt's mean error (only measured where several states per prompt are:
+  the critic sweep's PPO runs). Each is averaged over a run's measurements after the first (the untrained
+  critic's), then over seeds. GRPO's row is its group mean measured the same way: its sampling noise.
+- The critic sweep's PPO runs are matched in steps and measured at the prompt and 2 states inside each
+  completion (--mc-states 2); the head-to-head's PPO runs are separate runs, matched in tokens and measured at the
+  prompt only, exactly like GRPO's group mean, so that the crossover plot compares like with like.
+"""
+
+
+# ======================================================================================================
+# Reading runs
+# ======================================================================================================
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows; a half-written line (a killed run) is skipped."""
+    path = run_dir / "metrics.jsonl"
+    rows = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and "step" in row:
+                rows.append(row)
+    return rows
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def mean(xs: list[float]) -> float:
+    xs = [x for x in xs if finite(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def mc_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The run's critic error: each key averaged over its MC measurements after the first (the untrained critic)."""
+    meas = [r for r in rows if finite(r.get(MC_KEYS["centred_rmse"]))]
+    if len(meas) > 1:
+        meas = meas[1:]
+    out = {name: mean([r.get(key) for r in meas]) for name, key in MC_KEYS.items()}
+    nc = []
+    for r in meas:
+        c, v = r.get(MC_KEYS["centred_rmse"]), r.get(MC_KEYS["mc_noise_var"])
+        if finite(c) and finite(v):
+            nc.append(math.sqrt(max(0.0, c * c - v)))
+    out["centred_rmse_nc"] = mean(nc)
+    out["measurements"] = float(len(meas))
+    return out
+
+
+def curve(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Validation accuracy and training reward against step and generated training tokens."""
+    tokens_at: dict[int, float] = {}
+    reward: dict[int, float] = {}
+    val: dict[int, float] = {}
+    for r in rows:
+        s = int(r["step"])
+        if finite(r.get("generated_tokens")):
+            tokens_at[s] = float(r["generated_tokens"])
+        if finite(r.get("reward")):
+            reward[s] = float(r["reward"])
+        if finite(r.get("val/accuracy")):
+            val[s] = float(r["val/accuracy"])  # the last row of a step wins (a resumed run logs the final eval again)
+
+    def tokens(s: int) -> float:
+        known = [t for k, t in tokens_at.items() if k <= s]
+        return max(known) if known else 0.0
+
+    return {
+        "val_step": sorted(val),
+        "val": [val[s] for s in sorted(val)],
+        "val_tokens": [tokens(s) for s in sorted(val)],
+        "reward_step": sorted(reward),
+        "reward": [reward[s] for s in sorted(reward)],
+        "reward_tokens": [tokens(s) for s in sorted(reward)],
+    }
+
+
+def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
+    """One run: its results.json (common.read_results: a damaged one is a UserError naming it) and metrics."""
+    res = common.read_results(run_dir / "results.json")
+    try:
+        method, variant, seed = str(res["method"]), str(res["critic"]), int(res["seed"])
+        test = res["test"]
+        acc, n, (lo, hi) = float(test["accuracy"]), int(test["n"]), test["ci95"]
+        gen = int(res["generated_tokens"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise common.UserError(f"{run_dir / 'results.json'} is damaged: missing or malformed {e}") from None
+    args = res.get("args") or {}
+    rows = read_metrics(run_dir)
+    step_times = [r["time/step"] for r in rows if finite(r.get("time/step"))]
+    return {
+        "experiment": experiment,
+        "run": f"{method}-{variant}",
+        "method": method,
+        "variant": variant,
+        "seed": seed,
+        "dir": run_dir,
+        "steps": int(res.get("steps", 0)),
+        "test_accuracy": acc,
+        "test_ci_low": float(lo),
+        "test_ci_high": float(hi),
+        "test_n": n,
+        "test_seconds": float(test.get("seconds", float("nan"))),
+        "generated_tokens": gen,
+        "token_budget": int(args.get("token_budget") or 0),
+        "mc_tokens": int(res.get("mc_tokens", 0)),
+        "eval_tokens": int(res.get("eval_tokens", 0)),
+        "wall_time_s": float(res.get("wall_time_s", float("nan"))),
+        "critic_params": int(res.get("critic_params", 0)),
+        "device": str(res.get("device", "")),
+        "model": str(args.get("model", "")),
+        "scale": str(args.get("scale", "")),
+        "task": str(args.get("task", "")),
+        "scaled_down": res.get("scaled_down") or [],
+        "args": args,
+        "rows": rows,
+        "step_times": step_times,
+        "mc": mc_summary(rows),
+        "curve": curve(rows),
+    }
+
+
+def run_folders(out: Path) -> list[tuple[str, Path]]:
+    """(experiment, folder) of every run folder under out; folders set aside (a '.' in the name) are not runs."""
+    found = []
+    for res in sorted(out.glob("*/*/results.json")):
+        run_dir = res.parent
+        if "." not in run_dir.name and "." not in run_dir.parent.name:
+            found.append((run_dir.parent.name, run_dir))
+    return found
+
+
+def read_plan(out: Path) -> list[tuple[str, str, Path]]:
+    """sweep.sh's plan.tsv: (experiment, run, folder) of every run the last sweep asked for."""
+    path = out / "plan.tsv"
+    plan = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            parts = line.split("\t")
+            if len(parts) == 3:
+                plan.append((parts[0], parts[1], Path(parts[2])))
+    return plan
+
+
+def sort_key(experiment: str, run: str) -> tuple:
+    e = EXPERIMENTS.index(experiment) if experiment in EXPERIMENTS else len(EXPERIMENTS)
+    v = VARIANT_ORDER.index(run) if run in VARIANT_ORDER else len(VARIANT_ORDER)
+    return (e, experiment, v, run)
+
+
+# ======================================================================================================
+# Tables
+# ======================================================================================================
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (experiment, method-variant): the mean over seeds, with intervals and spread."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["experiment"], r["run"]), []).append(r)
+    rows = []
+    for (experiment, run), rs in sorted(groups.items(), key=lambda kv: sort_key(*kv[0])):
+        rs = sorted(rs, key=lambda r: r["seed"])
+        accs = [r["test_accuracy"] for r in rs]
+        m, lo, hi = common.mean_interval(accs)
+        if len(rs) == 1:  # one seed: the run's own (Wilson) interval
+            lo, hi = rs[0]["test_ci_low"], rs[0]["test_ci_high"]
+        sd = math.sqrt(sum((a - m) ** 2 for a in accs) / (len(accs) - 1)) if len(accs) > 1 else float("nan")
+        budgets = [r["token_budget"] for r in rs if r["token_budget"]]
+        row = {
+            "experiment": experiment,
+            "run": run,
+            "method": rs[0]["method"],
+            "variant": rs[0]["variant"],
+            "seeds": len(rs),
+            "seed_list": " ".join(str(r["seed"]) for r in rs),
+            "test_accuracy": m,
+            "interval_low": lo,
+            "interval_high": hi,
+            "interval": "wilson" if len(rs) == 1 else "over seeds",
+            "sd_over_seeds": sd,
+            "min": min(accs),
+            "max": max(accs),
+            "test_n": rs[0]["test_n"],
+            "steps": mean([r["steps"] for r in rs]),
+            "generated_tokens": mean([r["generated_tokens"] for r in rs]),
+            "token_budget": mean(budgets) if budgets else float("nan"),
+            "tokens_vs_budget": mean([r["generated_tokens"] / r["token_budget"] for r in rs if r["token_budget"]]),
+            "mc_tokens": mean([r["mc_tokens"] for r in rs]),
+            "wall_time_s": mean([r["wall_time_s"] for r in rs]),
+            "critic_params": rs[0]["critic_params"],
+        }
+        for key in ERROR_COLUMNS:
+            row[key] = mean([r["mc"][key] for r in rs])
+        rows.append(row)
+    return rows
+
+
+def fmt_pct(x: float) -> str:
+    return f"{100 * x:.1f}" if finite(x) else "-"
+
+
+def fmt_num(x: float, digits: int = 3) -> str:
+    return f"{x:.{digits}f}" if finite(x) else "-"
+
+
+def fmt_tokens(x: float) -> str:
+    if not finite(x):
+        return "-"
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= div:
+            return f"{x / div:.3g}{unit}"
+    return f"{x:.0f}"
+
+
+def fmt_time(s: float) -> str:
+    if not finite(s):
+        return "-"
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = [
+        "experiment",
+        "run",
+        "seeds",
+        "test acc. %",
+        "95% interval",
+        "sd",
+        "steps",
+        "gen. tokens",
+        "vs budget",
+        "wall time",
+        "critic params",
+        "RMSE",
+        "bias",
+        "centred RMSE",
+        "centred, noise-corr.",
+        "within-prompt",
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        cells = [
+            r["experiment"],
+            r["run"],
+            str(r["seeds"]),
+            fmt_pct(r["test_accuracy"]),
+            f"[{fmt_pct(r['interval_low'])}, {fmt_pct(r['interval_high'])}]",
+            fmt_pct(r["sd_over_seeds"]),
+            f"{r['steps']:.0f}",
+            fmt_tokens(r["generated_tokens"]),
+            fmt_num(r["tokens_vs_budget"], 2),
+            fmt_time(r["wall_time_s"]),
+            f"{r['critic_params']:,}",
+            fmt_num(r["rmse"]),
+            fmt_num(r["bias"]),
+            fmt_num(r["centred_rmse"]),
+            fmt_num(r["centred_rmse_nc"]),
+            fmt_num(r["within_prompt_rmse"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if isinstance(r.get(k), float) and not finite(r[k]) else r.get(k)) for k in columns})
+
+
+RUN_COLUMNS = [
+    "experiment",
+    "run",
+    "method",
+    "variant",
+    "seed",
+    "dir",
+    "steps",
+    "test_accuracy",
+    "test_ci_low",
+    "test_ci_high",
+    "test_n",
+    "generated_tokens",
+    "token_budget",
+    "mc_tokens",
+    "eval_tokens",
+    "wall_time_s",
+    "critic_params",
+    "device",
+    "model",
+    "scale",
+    "task",
+    *ERROR_COLUMNS,
+]
+
+
+def flat_run(r: dict[str, Any]) -> dict[str, Any]:
+    return {**{k: v for k, v in r.items() if k != "mc"}, **r["mc"]}
+
+
+# ======================================================================================================
+# Plots (matplotlib, optional)
+# ======================================================================================================
+
+COLOURS = {
+    "ppo-none": "#7f7f7f",
+    "ppo-small": "#9ecae1",
+    "ppo-medium": "#4292c6",
+    "ppo-large": "#08519c",
+    "ppo-full": "#08306b",
+    "grpo-group": "#d62728",
+    "dpo-self-offline": "#fdae6b",
+    "dpo-self-online": "#e6550d",
+    "dpo-gold-offline": "#a1d99b",
+    "dpo-gold-online": "#31a354",
+}
+
+
+def colour(run: str) -> str:
+    return COLOURS.get(run, "#555555")
+
+
+def seed_stats(values: list[float]) -> tuple[float, float]:
+    """Mean over seeds and the half-width of common.mean_interval (0 for one seed)."""
+    values = [v for v in values if finite(v)]
+    if not values:
+        return float("nan"), 0.0
+    m, lo, hi = common.mean_interval(values)
+    return m, (hi - lo) / 2
+
+
+def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
+    """Final test accuracy against the baseline's centred error: one point per PPO critic, GRPO's group mean as a
+    band. Returns the caption saying which runs it shows."""
+    source = "h2h" if any(r["experiment"] == "h2h" and r["method"] == "ppo" for r in runs) else "critic"
+    ppo = [r for r in runs if r["experiment"] == source and r["method"] == "ppo"]
+    grpo = [r for r in runs if r["method"] == "grpo"]
+    panels = [("centred_rmse", "centred value RMSE"), ("centred_rmse_nc", "centred RMSE, MC noise removed")]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, (key, xlabel) in zip(axes, panels):
+        by_run: dict[str, list[dict[str, Any]]] = {}
+        for r in ppo:
+            by_run.setdefault(r["run"], []).append(r)
+        right = 0.0
+        for run, rs in sorted(by_run.items(), key=lambda kv: sort_key(source, kv[0])):
+            x, xerr = seed_stats([r["mc"][key] for r in rs])
+            y, yerr = seed_stats([r["test_accuracy"] for r in rs])
+            if len(rs) == 1:  # one seed: the run's own interval
+                yerr = (rs[0]["test_ci_high"] - rs[0]["test_ci_low"]) / 2
+            if not finite(x):
+                continue
+            right = max(right, x + xerr)
+            label = f"PPO, critic {run.removeprefix('ppo-')}"
+            ax.errorbar(x, 100 * y, xerr=xerr, yerr=100 * yerr, fmt="o", color=colour(run), capsize=3, label=label)
+        if grpo:
+            x, xerr = seed_stats([r["mc"][key] for r in grpo])
+            y, yerr = seed_stats([r["test_accuracy"] for r in grpo])
+            if len(grpo) == 1:
+                yerr = (grpo[0]["test_ci_high"] - grpo[0]["test_ci_low"]) / 2
+            if finite(x):
+                right = max(right, x + xerr)
+                g = grpo[0]["args"].get("group_size", "G")
+                ax.axvspan(x - xerr, x + xerr, color=colour("grpo-group"), alpha=0.12, lw=0)
+                ax.axvline(x, color=colour("grpo-group"), ls="--", lw=1)
+                label = f"GRPO, group mean of G={g}: its noise"
+                ax.errorbar(
+                    x, 100 * y, yerr=100 * yerr, fmt="*", ms=12, color=colour("grpo-group"), capsize=3, label=label
+                )
+        span = 1.15 * right if right > 0 else 1.0
+        ax.set_xlim(-0.04 * span, span)  # errors are >= 0; a little room so that a point at 0 shows whole
+        ax.set_xlabel(xlabel + " (lower is better)")
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
+    axes[0].set_ylabel("final test accuracy (%)")
+    caption = (
+        f"PPO critics from the {'head-to-head (matched tokens)' if source == 'h2h' else 'critic sweep (matched steps)'}"
+        f" runs; mean over seeds with 95% intervals; GRPO's group mean as a star and a band at its measured error."
+        " Left of the band, a critic's baseline is less wrong than the group mean."
+    )
+    fig.suptitle("Is the critic worth having? Accuracy against the baseline's offset-removed error", fontsize=11)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return caption
+
+
+def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
+    """Validation accuracy (top) and training reward (bottom) per experiment, mean over seeds with a band."""
+    experiments = [e for e in EXPERIMENTS if any(r["experiment"] == e for r in runs)]
+    experiments += sorted({r["experiment"] for r in runs} - set(experiments))
+    fig, axes = plt.subplots(2, len(experiments), figsize=(5 * len(experiments), 7), squeeze=False)
+    for j, exp in enumerate(experiments):
+        by_run: dict[str, list[dict[str, Any]]] = {}
+        for r in runs:
+            if r["experiment"] == exp:
+                by_run.setdefault(r["run"], []).append(r)
+        use_tokens = exp == "h2h"  # matched compute: against generated tokens
+        for i, (kind, label) in enumerate((("val", "validation accuracy (%)"), ("reward", "training reward"))):
+            ax = axes[i][j]
+            for run, rs in sorted(by_run.items(), key=lambda kv: sort_key(exp, kv[0])):
+                steps = sorted({s for r in rs for s in r["curve"][f"{kind}_step"]})
+                if not steps:
+                    continue
+                xs, ms, los, his = [], [], [], []
+                for s in steps:
+                    vals, toks = [], []
+                    for r in rs:
+                        c = r["curve"]
+                        if s in c[f"{kind}_step"]:
+                            k = c[f"{kind}_step"].index(s)
+                            vals.append(c[kind][k])
+                            toks.append(c[f"{kind}_tokens"][k])
+                    m, lo, hi = common.mean_interval(vals)
+                    xs.append(mean(toks) if use_tokens else s)
+                    ms.append(m)
+                    los.append(lo)
+                    his.append(hi)
+                scale = 100 if kind == "val" else 1
+                if use_tokens and len(set(xs)) == 1 and len(xs) > 1:  # offline DPO: every token spent before step 1
+                    xs, ms, los, his = xs[-1:], ms[-1:], los[-1:], his[-1:]
+                    run = run + " (final)"
+                ax.plot(xs, [scale * m for m in ms], marker="o", ms=3, color=colour(run.split(" ")[0]), label=run)
+                if len(rs) > 1:
+                    ax.fill_between(
+                        xs,
+                        [scale * v for v in los],
+                        [scale * v for v in his],
+                        color=colour(run.split(" ")[0]),
+                        alpha=0.2,
+                    )
+            ax.set_xlabel("generated training tokens" if use_tokens else "step")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            if i == 0:
+                ax.set_title({"critic": "critic sweep", "h2h": "head-to-head (matched tokens)"}.get(exp, exp))
+                ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
+    """Raw against centred value RMSE, one small point per MC measurement and a large one per run's mean; the
+    distance below the diagonal is the constant offset that whitening removes."""
+    fig, ax = plt.subplots(figsize=(6, 5))
+    top = 0.0
+    labelled = set()
+    for r in sorted(runs, key=lambda r: sort_key(r["experiment"], r["run"])):
+        meas = [
+            row for row in r["rows"] if finite(row.get(MC_KEYS["rmse"])) and finite(row.get(MC_KEYS["centred_rmse"]))
+        ]
+        if not meas:
+            continue
+        xs = [row[MC_KEYS["rmse"]] for row in meas]
+        ys = [row[MC_KEYS["centred_rmse"]] for row in meas]
+        top = max(top, *xs, *ys)
+        marker = "s" if r["experiment"] == "h2h" else "o"
+        ax.scatter(xs, ys, s=10, color=colour(r["run"]), alpha=0.35, marker=marker)
+        label = f"{r['run']} ({r['experiment']})"
+        ax.scatter(
+            [r["mc"]["rmse"]],
+            [r["mc"]["centred_rmse"]],
+            s=60,
+            color=colour(r["run"]),
+            marker=marker,
+            edgecolors="black",
+            label=None if label in labelled else label,
+        )
+        labelled.add(label)
+    ax.plot([0, top * 1.05 or 1], [0, top * 1.05 or 1], color="black", lw=0.8, ls=":", label="no offset (y = x)")
+    ax.set_xlabel("value RMSE against MC (raw: counts the offset)")
+    ax.set_ylabel("centred value RMSE (offset removed)")
+    ax.set_title("Raw against centred error per critic\n(small: each measurement; large: the run's mean)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ======================================================================================================
+# The full sweep's duration from measured step times
+# ======================================================================================================
+
+
+def estimate(
+    runs: list[dict[str, Any]], steps: int, seeds: int, eval_every: int = 25
+) -> tuple[list[dict[str, Any]], float]:
+    """Seconds per run of the full sweep, one run after another on the hardware the runs were made on.
+
+    Per run: steps_planned x s/step (time/step less the MC measurement in it, after the first step: warm-up)
+    + MC measurements (one every --mc-every steps) x their mean seconds + evaluations (one every eval_every
+    steps and a final one) x mean val seconds + the test + the rest of the run's wall time (offline DPO's pair
+    sampling, checkpoints). steps_planned = steps; a budget-matched run scales its measured steps by steps / its
+    GRPO reference's steps (its budget grows with GRPO's steps), and budget-matched offline DPO's pair sampling
+    scales the same way. Process start-up and model loading (before a run's clock starts) are not counted.
+    """
+    ref_steps = {r["seed"]: r["steps"] for r in runs if r["experiment"] == "h2h" and r["method"] == "grpo"}
+    kinds: dict[tuple[str, str], list[float]] = {}
+    detail: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in runs:
+        train = [row for row in r["rows"] if finite(row.get("time/step"))]
+        no_mc = [row["time/step"] - (row.get("mc/seconds") or 0.0) for row in train]
+        t_step = mean(no_mc[1:] if len(no_mc) > 1 else no_mc)
+        t_mc = mean([row["mc/seconds"] for row in train if finite(row.get("mc/seconds"))])
+        evals = [row["val/seconds"] for row in r["rows"] if finite(row.get("val/seconds"))]
+        t_eval = mean(evals)
+        t_test = r["test_seconds"] if finite(r["test_seconds"]) else t_eval
+        other = max(0.0, r["wall_time_s"] - sum(r["step_times"]) - sum(evals) - (t_test if finite(t_test) else 0.0))
+        planned = steps
+        if r["token_budget"] and r["seed"] in ref_steps:
+            factor = steps / max(ref_steps[r["seed"]], 1)
+            if r["method"] != "dpo" or r["args"].get("online"):
+                planned = round(r["steps"] * factor)
+            else:
+                other *= factor  # offline DPO: sampling its pairs is what the budget pays for
+        mc_every = int(r["args"].get("mc_every") or 0)
+        n_mc = -(-planned // mc_every) if mc_every and finite(t_mc) else 0
+        n_evals = ((planned - 1) // eval_every if eval_every else 0) + 1  # during training, then the final one
+        total = planned * t_step + n_mc * (t_mc if n_mc else 0.0) + n_evals * t_eval + t_test + other
+        key = (r["experiment"], r["run"])
+        kinds.setdefault(key, []).append(total)
+        detail[key] = {
+            "experiment": r["experiment"],
+            "run": r["run"],
+            "device": r["device"],
+            "s_per_step": t_step,
+            "s_per_mc": t_mc,
+            "s_per_eval": t_eval,
+            "planned_steps": planned,
+            "other_s": other,
+        }
+    out = []
+    grand = 0.0
+    for key in sorted(kinds, key=lambda k: sort_key(*k)):
+        per_seed = mean(kinds[key])
+        grand += per_seed * seeds
+        out.append({**detail[key], "per_seed_s": per_seed, "all_seeds_s": per_seed * seeds})
+    return out, grand
+
+
+def estimate_markdown(runs: list[dict[str, Any]], steps: int, seeds: int, eval_every: int = 25) -> str:
+    rows, total = estimate(runs, steps, seeds, eval_every)
+    lines = [
+        f"Estimated from the step times in these runs' metrics.jsonl, for {steps} steps, an evaluation every "
+        f"{eval_every} steps and {seeds} seed(s), one run after another on the hardware they ran on "
+        "(`python report.py --estimate OUT --steps S --seeds N`; start-up and model loading not counted):",
+        "",
+        "| experiment | run | measured on | s/step | s/MC | s/eval | steps | per seed | all seeds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['experiment']} | {r['run']} | {r['device']} | {fmt_num(r['s_per_step'], 2)} | "
+            f"{fmt_num(r['s_per_mc'], 1)} | {fmt_num(r['s_per_eval'], 1)} | {r['planned_steps']} | "
+            f"{fmt_time(r['per_seed_s'])} | {fmt_time(r['all_seeds_s'])} |"
+        )
+    lines += ["", f"**Total: {fmt_time(total)}** ({total / 3600:.2f} h) on one device, one run after another."]
+    return "\n".join(lines)
+
+
+# ======================================================================================================
+# The report
+# ======================================================================================================
+
+
+def load_runs(out: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every readable run under out, and one line per damaged results.json (named; left in place here)."""
+    runs, problems = [], []
+    for experiment, run_dir in run_folders(out):
+        try:
+            runs.append(load_run(run_dir, experiment))
+        except common.UserError as e:
+            problems.append(str(e))
+    return runs, problems
+
+
+def missing_runs(out: Path, runs: list[dict[str, Any]]) -> list[str]:
+    """Planned runs without a results.json, with what the sweep recorded about them."""
+    have = {Path(r["dir"]).resolve() for r in runs}
+    lines = []
+    for experiment, _run, run_dir in read_plan(out):
+        if run_dir.resolve() in have:
+            continue
+        status_path = out / "logs" / experiment / f"{run_dir.name}.status"
+        log_path = status_path.with_suffix(".log")
+        status = status_path.read_text().split() if status_path.is_file() else []
+        if status and status[0] == "failed":
+            why = f"failed (exit {status[1]}; log {log_path})" + (
+                f": {' '.join(status[3:])}" if len(status) > 3 else ""
+            )
+        elif status and status[0] == "stopped":
+            why = "stopped by a signal after a checkpoint; ./sweep.sh resumes it"
+        else:
+            why = "not run yet"
+        lines.append(f"{experiment}/{run_dir.name}: {why}")
+    return lines
+
+
+def write_report(out: Path, report_dir: Path) -> Path:
+    runs, damaged = load_runs(out)
+    if not runs:
+        raise common.UserError(f"no finished run (results.json) under {out}/<experiment>/<run>/")
+    report_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(runs)
+    summary_cols = list(summary[0].keys())
+    write_csv(report_dir / "summary.csv", summary, summary_cols)
+    write_csv(
+        report_dir / "runs.csv",
+        sorted((flat_run(r) for r in runs), key=lambda r: (*sort_key(r["experiment"], r["run"]), r["seed"])),
+        RUN_COLUMNS,
+    )
+
+    plots: list[tuple[str, str]] = []
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        plt = None
+    if plt is not None:
+        caption = plot_crossover(plt, runs, report_dir / "crossover.png")
+        plots.append(("crossover.png", caption))
+        plot_curves(plt, runs, report_dir / "curves.png")
+        plots.append(("curves.png", "Learning curves: mean over seeds, with a 95% band where there are several."))
+        plot_errors(plt, runs, report_dir / "errors.png")
+        plots.append(("errors.png", "Raw against centred error per critic: below the diagonal is a constant offset."))
+
+    models = sorted({r["model"] for r in runs})
+    devices = sorted({r["device"] for r in runs})
+    scales = sorted({r["scale"] for r in runs})
+    budgets = sorted(
+        {
+            (r["seed"], r["generated_tokens"], r["steps"], str(r["dir"]))
+            for r in runs
+            if r["experiment"] == "h2h" and r["method"] == "grpo"
+        }
+    )
+    lines = [
+        f"# Sweep report: {out}",
+        "",
+        f"Written by report.py on {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} finished runs. "
+        f"Model: {', '.join(models)}; scale: {', '.join(scales)}; device: {', '.join(devices)}.",
+    ]
+    if "tiny" in models:
+        lines.append(
+            "\nA smoke sweep: the tiny random model at a few steps. The numbers show that every piece runs, not "
+            "what the methods do. Every run but the gold-pair DPO runs uses the toy task (reward 1 when a target "
+            "token appears), since the tiny model never solves GSM8K."
+        )
+    if budgets:
+        lines.append(
+            "\nMatched budget (h2h), from each seed's GRPO run: "
+            + "; ".join(f"seed {s}: {t:,} generated tokens in {n} steps" for s, t, n, _ in budgets)
+            + "."
+        )
+    lines += ["", DEFINITIONS, "## Results", "", markdown_table(summary), ""]
+    lines.append(
+        "Per-run numbers (every seed, MC tokens, explained variance, correlation): runs.csv; this table: summary.csv."
+    )
+    problems = damaged + missing_runs(out, runs)
+    if problems:
+        lines += ["", "## Failed, missing or damaged runs", ""] + [f"- {p}" for p in problems]
+    if plots:
+        lines += ["", "## Plots", ""]
+        for name, caption in plots:
+            lines += [f"![{name}]({name})", "", caption, ""]
+    else:
+        lines += ["", "matplotlib is not installed: no plots (`pip install matplotlib`, then `python report.py OUT`)."]
+    lines += ["", "## Duration of the full sweep", ""]
+    if any("cpu" not in r["device"] for r in runs):
+        gpu_runs = [r for r in runs if "cpu" not in r["device"]]
+        lines.append(estimate_markdown(gpu_runs, 200, 3))
+    else:
+        lines.append(
+            "These runs were made on the CPU, so they say nothing about a GPU. On a GPU, run the sweep briefly at the "
+            "study's settings and extrapolate from its step times:\n\n"
+            "    ./sweep.sh --seeds 1 --scale study --out runs/timing -- --total-steps 12 --eval-every 6\n"
+            "    python report.py --estimate runs/timing --steps 200 --seeds 3\n\n"
+            "per run: steps x s/step + MC measurements x s/MC + evaluations x s/eval + the test + the rest "
+            "(offline DPO's pair sampling); summed over the 17 runs of one seed, times the seeds."
+        )
+    text = "\n".join(lines) + "\n"
+    (report_dir / "report.md").write_text(text)
+    return report_dir / "report.md"
+
+
+# ======================================================================================================
+# sweep.sh's helpers
+# ======================================================================================================
+
+
+def check(dirs: list[Path], dry_run: bool) -> list[str]:
+    """finished (a readable results.json), resume (a checkpoint) or new, per folder. A damaged results.json is named
+    and renamed aside (never deleted), so the run is redone from its checkpoint; a folder left by a run that died
+    before its first checkpoint is renamed aside whole, so the run starts afresh."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    states = []
+    for run_dir in dirs:
+        res = run_dir / "results.json"
+        if res.exists():
+            try:
+                load_run(run_dir, run_dir.parent.name)
+                states.append("finished")
+                continue
+            except common.UserError as e:
+                if dry_run:
+                    print(f"warning: {e}; the sweep would set it aside and redo the run", file=sys.stderr)
+                else:
+                    aside = res.with_name(f"results.json.damaged-{stamp}")
+                    res.rename(aside)
+                    print(f"warning: {e}; kept as {aside.name}, redoing the run", file=sys.stderr)
+        if common.find_checkpoint(run_dir) is not None:
+            states.append("resume")
+            continue
+        if run_dir.is_dir() and any(p.name != "tb" for p in run_dir.iterdir()):
+            aside = run_dir.with_name(f"{run_dir.name}.interrupted-{stamp}")
+            if dry_run:
+                print(
+                    f"warning: {run_dir} holds a run that never saved a checkpoint; it would move to {aside}",
+                    file=sys.stderr,
+                )
+            else:
+                run_dir.rename(aside)
+                print(f"warning: {run_dir} held a run that never saved a checkpoint; moved to {aside}", file=sys.stderr)
+        states.append("new")
+    return states
+
+
+def budget(run_dir: Path) -> tuple[int, int]:
+    """A reference run's generated training tokens and steps, from its results.json."""
+    if not (run_dir / "results.json").is_file():
+        raise common.UserError(f"the reference run {run_dir} has no results.json (failed or not run)")
+    r = load_run(run_dir, run_dir.parent.name)
+    if r["generated_tokens"] <= 0:
+        raise common.UserError(f"{run_dir / 'results.json'} records no generated tokens: no budget to match")
+    return r["generated_tokens"], r["steps"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("out", nargs="?", help="the sweep's folder (OUT/<experiment>/<run>/results.json)")
+    p.add_argument("--report-dir", help="where the report goes (default: OUT/report)")
+    p.add_argument(
+        "--estimate", metavar="OUT", help="print the full sweep's duration from the step times of OUT's runs"
+    )
+    p.add_argument("--steps", type=int, default=200, help="--estimate: the study's steps per run (default 200)")
+    p.add_argument("--seeds", type=int, default=3, help="--estimate: seeds in the full sweep (default 3)")
+    p.add_argument("--eval-every", type=int, default=25, help="--estimate: the study's --eval-every (default 25)")
+    p.add_argument("--check", nargs="+", metavar="DIR", help="(sweep.sh) print finished, resume or new per run folder")
+    p.add_argument("--dry-run", action="store_true", help="--check: say what would be set aside, move nothing")
+    p.add_argument("--budget", nargs="+", metavar="DIR", help="(sweep.sh) print a reference run's tokens and steps")
+    a = p.parse_args()
+    modes = sum(x is not None for x in (a.out, a.estimate, a.check, a.budget))
+    if modes != 1:
+        raise common.UserError("give exactly one of: OUT, --estimate OUT, --check DIR..., --budget DIR...")
+    if a.check:
+        print("\n".join(check([Path(d) for d in a.check], a.dry_run)))
+    elif a.budget:
+        for d in a.budget:
+            tokens, steps = budget(Path(d))
+            print(tokens, steps)
+    elif a.estimate:
+        runs, damaged = load_runs(Path(a.estimate))
+        for line in damaged:
+            print(f"warning: {line}", file=sys.stderr)
+        if not runs:
+            raise common.UserError(f"no finished run (results.json) under {a.estimate}/<experiment>/<run>/")
+        print(estimate_markdown(runs, a.steps, a.seeds, a.eval_every))
+    else:
+        out = Path(a.out)
+        if not out.is_dir():
+            raise common.UserError(f"{out} is not a folder")
+        path = write_report(out, Path(a.report_dir) if a.report_dir else out / "report")
+        print(f"report: {path}")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,273 @@
+"""sweep.sh and report.py end to end on the CPU: the smoke sweep and its report, dry runs, bad input, a second
+invocation, an interrupted, a failed and a damaged run on the GPU pool, and SLURM submission (a stand-in sbatch).
+
+The smoke sweep runs once per session (about two minutes on 2 cores); the other tests copy what they change.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, check_ok, trainer_env, tree_digest
+
+import common
+
+CRITICS = ["none", "small", "medium", "large", "full"]
+EXPECTED = {
+    "critic": [f"ppo-{c}" for c in CRITICS],
+    "h2h": ["grpo-group", *[f"ppo-{c}" for c in CRITICS], "dpo-gold-online", "dpo-gold-offline"],
+    "labels": ["dpo-self-offline", "dpo-self-online", "dpo-gold-offline", "dpo-gold-online"],
+}
+N_RUNS = sum(len(v) for v in EXPECTED.values())  # 17 per seed
+PNGS = ["crossover.png", "curves.png", "errors.png"]
+
+
+def sweep(*args: str | Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """./sweep.sh ARGS from the repository root, with this interpreter as the trainers' python."""
+    env = {**trainer_env(), "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(
+        ["bash", str(REPO / "sweep.sh"), *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def check_report(report: Path, runs: int) -> None:
+    """report.md, the two CSVs and the three PNGs exist and are not empty; a table row for every run."""
+    md = (report / "report.md").read_text()
+    for experiment, names in EXPECTED.items():
+        for name in names:
+            assert f"| {experiment} | {name} |" in md, f"no table row for {experiment}/{name}"
+    with open(report / "runs.csv") as f:
+        assert len(list(csv.DictReader(f))) == runs
+    with open(report / "summary.csv") as f:
+        assert len(list(csv.DictReader(f))) == N_RUNS  # one row per experiment and run, whatever the seeds
+    for name in PNGS:
+        data = (report / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000, f"{name} is empty or not a PNG"
+        assert f"![{name}]({name})" in md
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
+    out = tmp_path_factory.mktemp("sweep") / "smoke"
+    t0 = time.time()
+    proc = sweep("--smoke", "--out", out)
+    seconds = time.time() - t0
+    check_ok(proc)
+    return out, proc, seconds
+
+
+def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
+    out, proc, seconds = smoke
+    assert seconds < 600, f"the smoke sweep took {seconds:.0f} s"
+    assert f"sweep: {N_RUNS} of {N_RUNS} runs finished" in proc.stdout
+    for experiment, names in EXPECTED.items():
+        for name in names:
+            res = common.read_results(out / experiment / f"{name}-s1" / "results.json")
+            assert f"{res['method']}-{res['critic']}" == name and res["seed"] == 1
+            assert res["args"]["model"] == "tiny" and res["scaled_down"] == []
+    check_report(out / "report", N_RUNS)
+
+
+def test_the_head_to_head_is_matched_in_generated_tokens(smoke):
+    out, proc, _ = smoke
+    ref = common.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
+    budget = ref["generated_tokens"]
+    assert budget > 0 and f"{budget:,} generated tokens" in (out / "report" / "report.md").read_text()
+    for name in EXPECTED["h2h"][1:]:
+        res = common.read_results(out / "h2h" / f"{name}-s1" / "results.json")
+        assert res["args"]["token_budget"] == budget, name
+        assert res["generated_tokens"] >= budget, f"{name}: the step cap, not the budget, ended it"
+        if name != "dpo-gold-offline":  # offline DPO trains for the reference's steps; the others until the budget
+            assert res["args"]["total_steps"] == 10 * ref["steps"]
+            assert res["steps"] < res["args"]["total_steps"]
+
+
+def test_a_second_invocation_skips_finished_runs(smoke):
+    out, _, _ = smoke
+    before = {p: p.stat().st_mtime_ns for p in (out / "labels").glob("*/results.json")}
+    proc = sweep("--smoke", "--out", out, "--experiments", "labels")
+    check_ok(proc)
+    assert proc.stdout.count("skip  labels/") == 4 and "run   " not in proc.stdout
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+
+
+def test_dry_run_prints_every_command_and_the_budget_symbolically(tmp_path):
+    out = tmp_path / "out"
+    proc = sweep("--dry-run", "--out", out, "--seeds", "1,2")
+    check_ok(proc)
+    commands = [line for line in proc.stdout.splitlines() if ".py --run-dir " in line]
+    assert len(commands) == 2 * N_RUNS
+    for seed in (1, 2):
+        for experiment, names in EXPECTED.items():
+            for name in names:
+                assert any(f"--run-dir {out}/{experiment}/{name}-s{seed} " in c for c in commands), (experiment, name)
+        ref = out / "h2h" / f"grpo-group-s{seed}"
+        budgeted = [c for c in commands if f"--token-budget <generated_tokens of {ref}>" in c]
+        assert len(budgeted) == 7  # five PPO critics, DPO online and offline
+    assert not out.exists()  # a dry run creates nothing
+
+
+def test_dry_run_shows_the_budget_once_the_reference_run_exists(smoke, tmp_path):
+    out, _, _ = smoke
+    new = tmp_path / "out"
+    shutil.copytree(out / "h2h" / "grpo-group-s1", new / "h2h" / "grpo-group-s1")
+    budget = common.read_results(new / "h2h" / "grpo-group-s1" / "results.json")["generated_tokens"]
+    proc = sweep("--smoke", "--dry-run", "--out", new, "--experiments", "h2h")
+    check_ok(proc)
+    assert "# h2h/grpo-group-s1: finished" in proc.stdout
+    assert proc.stdout.count(f"--token-budget {budget} ") == 7
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--experiments", "critic,bogus"], "unknown experiment 'bogus'"),
+        (["--seeds", ""], "--seeds is empty"),
+        (["--seeds", ","], "--seeds is empty"),
+        (["--seeds", "1,x"], "'x' is not a seed"),
+        (["--launcher", "cloud"], "unknown --launcher 'cloud'"),
+        (["--scale", "huge"], "unknown --scale 'huge'"),
+        (["--gpus", "0"], "--gpus 0 is not a positive number"),
+        (["--bogus"], "unknown option --bogus"),
+        (["--out"], "--out needs a value"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_is_created(tmp_path, args, message):
+    out = tmp_path / "out"
+    proc = sweep("--out", out, *args) if args != ["--out"] else sweep(*args)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert not out.exists()
+
+
+def test_damaged_interrupted_and_failed_runs_on_the_gpu_pool(smoke, tmp_path):
+    """A damaged results.json is named, kept aside and its run redone; an interrupted run resumes; a run that
+    fails is recorded and named while the others go on; a finished run is left alone. On the GPU pool (--gpus 2
+    on a machine without GPUs: the slots 0 and 1 are still handed out, and the CPU ignores them)."""
+    out, _, _ = smoke
+    new = tmp_path / "out"
+    shutil.copytree(out / "labels", new / "labels")
+    runs = new / "labels"
+    damaged = runs / "dpo-gold-online-s1" / "results.json"
+    damaged.write_text('{"method": "dpo", "test": {"accuracy": 0.')  # cut short
+    (runs / "dpo-self-online-s1" / "results.json").unlink()  # interrupted after its last checkpoint
+    failing = runs / "dpo-gold-offline-s1"
+    (failing / "results.json").unlink()
+    (failing / common.CHECKPOINT / "manifest.json").write_text("{")  # its checkpoint refuses to load
+    untouched = tree_digest(runs / "dpo-self-offline-s1")
+
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "nvidia-smi").exists())
+    pool = {"CUDA_VISIBLE_DEVICES": "", "PATH": path}
+    proc = sweep("--smoke", "--gpus", "2", "--out", new, "--experiments", "labels", env=pool)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "one run per GPU on GPUs 0 1" in proc.stdout
+    assert "on GPU 0 (resuming" in proc.stdout and "on GPU 1 (resuming" in proc.stdout
+    # the damaged file: one line naming it, kept aside as it was, the run redone
+    named = [line for line in proc.stderr.splitlines() if str(damaged) in line]
+    assert len(named) == 1 and "damaged" in named[0], proc.stderr
+    aside = list(damaged.parent.glob("results.json.damaged-*"))
+    assert len(aside) == 1 and aside[0].read_text() == '{"method": "dpo", "test": {"accuracy": 0.'
+    assert common.read_results(damaged)["critic"] == "gold-online"
+    # the interrupted run resumed from its checkpoint
+    assert re.search(r"labels/dpo-self-online-s1 on GPU \d \(resuming from its checkpoint\)", proc.stdout)
+    assert (runs / "dpo-self-online-s1" / "results.json").is_file()
+    # the failed run: recorded, named in the summary and the report, its checkpoint left as it was
+    assert "FAIL  labels/dpo-gold-offline-s1" in proc.stdout
+    assert "unfinished: labels/dpo-gold-offline-s1 (exit 2;" in proc.stdout
+    assert (failing / common.CHECKPOINT / "manifest.json").read_text() == "{"
+    assert (new / "logs" / "labels" / "dpo-gold-offline-s1.status").read_text().startswith("failed 2")
+    md = (new / "report" / "report.md").read_text()
+    assert "labels/dpo-gold-offline-s1: failed (exit 2;" in md
+    # the finished run was skipped
+    assert "skip  labels/dpo-self-offline-s1" in proc.stdout
+    assert tree_digest(runs / "dpo-self-offline-s1") == untouched
+
+
+def test_report_on_existing_runs(smoke, tmp_path):
+    out, _, _ = smoke
+    report = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "report.py", str(out), "--report-dir", str(report)],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    check_ok(proc)
+    check_report(report, N_RUNS)
+    md = (report / "report.md").read_text()
+    assert "centred RMSE" in md and "noise-corrected" in md and "python report.py --estimate" in md
+
+    est = subprocess.run(
+        [sys.executable, "report.py", "--estimate", str(out), "--steps", "200", "--seeds", "3"],
+        cwd=REPO,
+        env=trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    check_ok(est)
+    assert "**Total:" in est.stdout and est.stdout.count("| h2h |") == len(EXPECTED["h2h"])
+
+
+def test_report_names_a_damaged_results_json_and_skips_it(smoke, tmp_path):
+    out, _, _ = smoke
+    new = tmp_path / "out"
+    shutil.copytree(out / "critic" / "ppo-none-s1", new / "critic" / "ppo-none-s1")
+    shutil.copytree(out / "critic" / "ppo-small-s1", new / "critic" / "ppo-small-s1")
+    bad = new / "critic" / "ppo-small-s1" / "results.json"
+    bad.write_text("[]")
+    proc = subprocess.run(
+        [sys.executable, "report.py", str(new)], cwd=REPO, env=trainer_env(), capture_output=True, text=True
+    )
+    check_ok(proc)
+    md = (new / "report" / "report.md").read_text()
+    assert f"{bad} is damaged" in md and "| critic | ppo-none |" in md and "| critic | ppo-small |" not in md
+    assert bad.read_text() == "[]"  # the report reads; only the sweep sets files aside
+
+
+def test_slurm_submits_one_array_task_per_run(tmp_path):
+    """A stand-in sbatch records its calls; then one array task runs for real, as SLURM would start it."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\necho $((1000 + $(wc -l < {calls})))\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    out = tmp_path / "out"
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = sweep("--smoke", "--launcher", "slurm", "--out", out, "--", "--lr", "2e-6", env=env)
+    check_ok(proc)
+    first, second, report = calls.read_text().splitlines()
+    assert "--array=0,1,2,3,4,5,6,7,8,9 " in first and "--requeue" in first and "--signal=B:TERM@300" in first
+    assert "--array=10,11,12,13,14,15,16 " in second and "--dependency=afterany:1001" in second
+    assert "--dependency=afterany:1002" in report and "report.py" in report
+    task = (out / "slurm" / "task.sh").read_text()
+    assert '--slurm-task "$SLURM_ARRAY_TASK_ID" -- --lr 2e-6' in task
+
+    # task 0 is h2h's GRPO run (the budget's reference): run it as an array task would
+    run = subprocess.run(
+        ["bash", str(out / "slurm" / "task.sh")],
+        env={**trainer_env(), "PYTHON": sys.executable, "SLURM_ARRAY_TASK_ID": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    check_ok(run)
+    res = common.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
+    assert res["method"] == "grpo" and res["args"]["lr"] == 2e-6
+    assert json.loads(json.dumps(res["args"]))["run_dir"] == str(out / "h2h" / "grpo-group-s1")
