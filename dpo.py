@@ -465,9 +465,9 @@ def main() -> None:
         # ==================================================================================================
         keys = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward", "pairs")
         totals = common.all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)).tolist()
-        npairs = max(totals[-1], 1.0)
+        npairs = totals[-1]  # 0 when no prompt of an online step yielded a pair: nothing measured, logged as null
         counters["step"] = step + 1
-        metrics.update({k: v / npairs for k, v in zip(keys[:-1], totals[:-1])})
+        metrics.update({k: v / npairs if npairs else float("nan") for k, v in zip(keys[:-1], totals[:-1])})
         metrics.update(
             {
                 "pairs": n_real,

@@ -171,6 +171,8 @@ def main() -> None:
         raise common.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
     if args.baseline not in ("mean", "loo") or args.scale_rewards not in ("group", "none"):
         raise common.UserError("--baseline must be mean or loo, and --scale-rewards group or none")
+    if args.loss_norm not in ("token", "sequence", "constant"):  # before a rollout is spent, not at the update
+        raise common.UserError(f"unknown --loss-norm {args.loss_norm!r}: use token, sequence or constant")
     if args.mc_every and args.mc_samples < 2:
         raise common.UserError(
             f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"

@@ -6,9 +6,11 @@ Kept out of conftest.py on purpose: plain functions, no fixtures, so that it mer
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +79,22 @@ def start_trainer(script: str, args: list[str], log) -> subprocess.Popen:
     return subprocess.Popen(command(script, args), cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
+def run_in_process(script: str, args: list[str], monkeypatch) -> None:
+    """`script`.main() (e.g. "grpo") in this process, so that a test can watch its internals through monkeypatch.
+
+    sys.argv and $GSM8K_DIR go through monkeypatch; the signal handlers the trainer installs are restored after.
+    """
+    module = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    monkeypatch.setenv("GSM8K_DIR", require_gsm8k_dir())
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        module.main()
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, (
         f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
@@ -90,6 +108,31 @@ def check_one_error_line(proc: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("error: "), f"stderr is not one 'error:' line:\n{proc.stderr}"
     return lines[0]
+
+
+def check_results(run_dir: Path, steps: int) -> dict:
+    """results.json of a finished run: the test accuracy inside its 95% interval, the step count, the tokens
+    generated for training, the wall time and the arguments. Returns it for the trainer's own checks."""
+    results = json.loads((Path(run_dir) / "results.json").read_text())
+    test = results["test"]
+    assert 0 <= test["accuracy"] <= 1 and test["n"] > 0
+    lo, hi = test["ci95"]
+    assert 0 <= lo <= test["accuracy"] <= hi <= 1
+    assert results["steps"] == steps
+    assert isinstance(results["generated_tokens"], int) and results["generated_tokens"] > 0
+    assert is_finite(results["wall_time_s"]) and results["wall_time_s"] > 0
+    assert isinstance(results["args"], dict) and results["args"]["run_dir"] == str(run_dir)
+    return results
+
+
+def check_checkpoint(run_dir: Path, step: int) -> None:
+    """run_dir's checkpoint matches its manifest and was saved at `step`."""
+    import common
+
+    ckpt = Path(run_dir) / common.CHECKPOINT
+    common.verify_checkpoint(ckpt)
+    assert json.loads((ckpt / "state.json").read_text())["counters"]["step"] == step
+    assert (ckpt / "policy" / "model.safetensors").is_file()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
