@@ -55,9 +55,12 @@ def run_main(main: Callable[[], Any]) -> None:
     except UserError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        # a process group left to the interpreter's teardown can abort in gloo's threads
+        # ("terminate called without an active exception"): close it while everything is alive
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(2)
 
 
 @dataclass

@@ -32,6 +32,8 @@ options:
                       torchrun: one run after another, each data-parallel over the GPUs (torchrun --standalone)
                       slurm: one array task per run (sbatch); with --gpus N > 1 each task runs torchrun over N
   --gpus N            GPUs to use (default: all visible); alone, it means --launcher gpus
+  --jobs N            with --launcher seq: N runs at once on this machine's CPU (default 1; with --smoke, 2
+                      when the machine has 2 cores or more, each run on one thread)
   --sbatch "ARGS"     extra sbatch options for --launcher slurm, e.g. "--partition=gpu --time=24:00:00"
   --dry-run           print what would run, run nothing
   --smoke             every experiment with --model tiny, seed 1, 2 steps, tiny evaluations, on the CPU
@@ -60,6 +62,8 @@ SCALE=auto
 OUT=""
 LAUNCHER=""
 GPUS=""
+JOBS=""
+JOBS_GIVEN=0
 SBATCH_ARGS=""
 DRY_RUN=0
 SMOKE=0
@@ -75,7 +79,7 @@ while [[ $# -gt 0 ]]; do
   --dry-run) DRY_RUN=1; shift; continue ;;
   --smoke) SMOKE=1; shift; continue ;;
   --report-only) REPORT_ONLY=1; shift; continue ;;
-  --experiments | --seeds | --model | --scale | --out | --launcher | --gpus | --sbatch | --slurm-task)
+  --experiments | --seeds | --model | --scale | --out | --launcher | --gpus | --jobs | --sbatch | --slurm-task)
     [[ $# -ge 2 ]] || die "$1 needs a value (./sweep.sh --help)" ;;
   *) die "unknown option $1 (./sweep.sh --help)" ;;
   esac
@@ -87,6 +91,7 @@ while [[ $# -gt 0 ]]; do
   --out) OUT=$2 ;;
   --launcher) LAUNCHER=$2 ;;
   --gpus) GPUS=$2 ;;
+  --jobs) JOBS=$2 JOBS_GIVEN=1 ;;
   --sbatch) SBATCH_ARGS=$2 ;;
   --slurm-task) SLURM_TASK=$2 ;; # internal: the array task's run, by its index in the plan
   esac
@@ -98,8 +103,13 @@ if ((SMOKE)); then
   SCALE=study # the smoke flags below are the scale; the trainers must not rescale them
   ((SEEDS_GIVEN)) || SEEDS=1
   OUT=${OUT:-runs/smoke}
+  if [[ -z $JOBS ]]; then # one run per core, two at most: the runs are small
+    JOBS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1) # nproc reads OMP_NUM_THREADS
+    ((JOBS > 2)) && JOBS=2
+  fi
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} # one thread per run: far faster on a small, shared CPU
 fi
+JOBS=${JOBS:-1}
 OUT=${OUT:-runs/sweep}
 [[ $OUT == /* ]] || OUT="$PWD/$OUT"
 
@@ -123,10 +133,12 @@ done
 [[ ${#SEED_LIST[@]} -gt 0 ]] || die "--seeds is empty: give one or more seeds, e.g. --seeds 1,2,3"
 case $SCALE in auto | study | cpu) ;; *) die "unknown --scale '$SCALE': use auto, study or cpu" ;; esac
 [[ -z $GPUS || $GPUS =~ ^[1-9][0-9]*$ ]] || die "--gpus $GPUS is not a positive number"
+[[ $JOBS =~ ^[1-9][0-9]*$ ]] || die "--jobs $JOBS is not a positive number"
 if [[ -z $LAUNCHER ]]; then
   if [[ -n $GPUS ]]; then LAUNCHER=gpus; else LAUNCHER=seq; fi
 fi
 case $LAUNCHER in seq | gpus | torchrun | slurm) ;; *) die "unknown --launcher '$LAUNCHER': use seq, gpus, torchrun or slurm" ;; esac
+[[ $LAUNCHER == seq || $JOBS_GIVEN == 0 ]] || die "--jobs runs several runs at once on the CPU: it goes with --launcher seq"
 
 # ======================================================================================================
 # the trainers' flags
@@ -258,9 +270,11 @@ label() { echo "${P_EXP[$1]}/$(basename "${P_DIR[$1]}")"; }
 log_path() { echo "$OUT/logs/${P_EXP[$1]}/$(basename "${P_DIR[$1]}").log"; }
 status_path() { echo "$OUT/logs/${P_EXP[$1]}/$(basename "${P_DIR[$1]}").status"; }
 
-# run_one i state [gpu]: run (or resume) one run, its output into its log; record ok, failed or stopped
+# run_one i state [slot]: run (or resume) one run, its output into its log; record ok, failed or stopped.
+# A slot is a GPU id (the run sees that GPU alone) or cpu<k> (one of --jobs runs on the CPU).
 run_one() {
-  local i=$1 state=$2 gpu=${3:-} log status rc=0 t0=$SECONDS
+  local i=$1 state=$2 slot=${3:-} log status rc=0 t0=$SECONDS gpu=""
+  [[ -n $slot && $slot != cpu* ]] && gpu=$slot
   log=$(log_path "$i") status=$(status_path "$i")
   if [[ $state == finished ]]; then
     echo "skip  $(label "$i"): finished"
@@ -346,14 +360,19 @@ run_seq() { # indices...
   done
 }
 
-run_pool() { # indices...: one run per GPU at a time; a freed GPU takes the next run
+run_pool() { # indices...: one run per slot (a GPU, or one of --jobs on the CPU) at a time; a freed slot takes the next
   local -a ids
   local found
-  found=$(gpu_ids) || exit 2
-  read -ra ids <<<"$found"
+  if [[ $LAUNCHER == gpus ]]; then
+    found=$(gpu_ids) || exit 2
+    read -ra ids <<<"$found"
+    echo "one run per GPU on GPUs ${ids[*]}"
+  else
+    mapfile -t ids < <(seq 1 "$JOBS" | sed 's/^/cpu/')
+    echo "$JOBS runs at once on the CPU"
+  fi
   declare -A busy=()
   local i g free
-  echo "one run per GPU on GPUs ${ids[*]}"
   for i in "$@"; do
     ((STOP)) && break
     if [[ ${STATE[$i]} == finished ]]; then
@@ -382,7 +401,7 @@ run_pool() { # indices...: one run per GPU at a time; a freed GPU takes the next
 }
 
 run_indices() { # indices...: with the chosen launcher
-  if [[ $LAUNCHER == gpus ]]; then run_pool "$@"; else run_seq "$@"; fi
+  if [[ $LAUNCHER == gpus || ($LAUNCHER == seq && $JOBS -gt 1) ]]; then run_pool "$@"; else run_seq "$@"; fi
 }
 
 N_OK=0
@@ -509,7 +528,7 @@ all=()
 for ((i = 0; i < N_RUNS; i++)); do all+=("$i"); done
 states "${all[@]}"
 echo "sweep: ${#EXP_LIST[@]} experiment(s) (${EXP_LIST[*]}), seeds ${SEED_LIST[*]}, model $MODEL, scale $SCALE," \
-  "launcher $LAUNCHER: $N_RUNS runs into $OUT"
+  "launcher $LAUNCHER$([[ $LAUNCHER == seq && $JOBS -gt 1 ]] && echo " ($JOBS at once)"): $N_RUNS runs into $OUT"
 if ((!DRY_RUN)); then
   for ((i = 0; i < N_RUNS; i++)); do printf '%s\t%s\t%s\n' "${P_EXP[$i]}" "${P_NAME[$i]}" "${P_DIR[$i]}"; done >"$OUT/plan.tsv"
 fi

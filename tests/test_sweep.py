@@ -74,6 +74,8 @@ def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
     out, proc, seconds = smoke
     assert seconds < 600, f"the smoke sweep took {seconds:.0f} s"
     assert f"sweep: {N_RUNS} of {N_RUNS} runs finished" in proc.stdout
+    cores = len(os.sched_getaffinity(0))  # what nproc says, OMP_NUM_THREADS aside
+    assert ("2 runs at once on the CPU" in proc.stdout) == (cores >= 2), "--smoke runs one run per core, two at most"
     for experiment, names in EXPECTED.items():
         for name in names:
             res = common.read_results(out / experiment / f"{name}-s1" / "results.json")
@@ -142,6 +144,8 @@ def test_dry_run_shows_the_budget_once_the_reference_run_exists(smoke, tmp_path)
         (["--launcher", "cloud"], "unknown --launcher 'cloud'"),
         (["--scale", "huge"], "unknown --scale 'huge'"),
         (["--gpus", "0"], "--gpus 0 is not a positive number"),
+        (["--jobs", "0"], "--jobs 0 is not a positive number"),
+        (["--jobs", "2", "--launcher", "slurm"], "--jobs runs several runs at once on the CPU"),
         (["--bogus"], "unknown option --bogus"),
         (["--out"], "--out needs a value"),
     ],
