@@ -868,8 +868,11 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
 def step_uniforms(seed: int, step: int, stream: int, rows: int, steps: int, device: torch.device) -> torch.Tensor:
     """One uniform per (global row, decode step) from a generator seeded by (seed, step, stream).
 
-    Every rank draws the same [rows, steps] table and takes its own rows, so a rollout's sample depends on
-    its global index, not on the rank or the batch it lands in: N processes sample what one process does.
+    Every rank draws the same [rows, steps] table and takes its own rows, so a rollout's uniforms depend on
+    its global index, not on the rank or the batch it lands in. The tokens are then the same on one rank or N
+    as long as the logits are: bitwise in fp32 on the CPU when each prompt is padded to the same width; with
+    other padding, or bf16 kernels that depend on the batch size, a last-bit difference now and then moves a
+    token across a boundary of the CDF, and the runs are equal in distribution rather than token for token.
     """
     g = torch.Generator(device="cpu")
     g.manual_seed((seed * 1_000_003 + step * 7_919 + stream * 104_729) % 2**63)
@@ -1973,11 +1976,17 @@ def wilson_interval(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def mean_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
-    """Mean and a normal 95% interval of a list of numbers (across seeds, say)."""
+    """Mean and a normal 95% interval of a list of numbers (across seeds, say).
+
+    One number has no spread to estimate: its interval is (nan, nan), not a zero-width interval that would
+    look certain. No numbers: all three are nan.
+    """
     n = len(values)
-    m = sum(values) / max(n, 1)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    m = sum(values) / n
     if n < 2:
-        return m, m, m
+        return m, math.nan, math.nan
     sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
     return m, m - z * sd / math.sqrt(n), m + z * sd / math.sqrt(n)
 

@@ -168,6 +168,10 @@ def main() -> None:
     micro = args.micro_batch_size
     run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
     common.prepare_run_dir(run_dir, args.resume, dist_.main)
+    if not args.resume and (run_dir / "pairs.jsonl").exists():  # only a resume reuses them, under its own checks
+        raise common.UserError(
+            f"{run_dir} holds pairs.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
+        )
     common.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     tokenizer = common.load_tokenizer(args.model)
@@ -458,6 +462,9 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
+        if not n_real:  # no pair, no update; the schedule still moves on, so that it ends where it should
+            for _epoch in range(args.update_epochs):
+                scheduler.step()
         t_update = time.time() - t_update
 
         # ==================================================================================================

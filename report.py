@@ -414,7 +414,7 @@ def seed_stats(values: list[float]) -> tuple[float, float]:
     if not values:
         return float("nan"), 0.0
     m, lo, hi = common.mean_interval(values)
-    return m, (hi - lo) / 2
+    return m, (hi - lo) / 2 if len(values) > 1 else 0.0
 
 
 def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:

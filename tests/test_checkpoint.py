@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_ok, check_one_error_line, cli, read_metrics, run_trainer, start_trainer, tree_digest
+from helpers import check_ok, check_one_error_line, cli, read_metrics, run_here, run_trainer, start_trainer, tree_digest
 
 import common
 from critics import build_critic
@@ -26,7 +26,7 @@ SMALL_RUN = dict(task="toy", critic="small", lr=1e-3, kl_coef=0.04, total_steps=
 def finished_run(tmp_path_factory) -> Path:
     """A finished one-step run with a checkpoint; tests copy it before changing anything."""
     run_dir = tmp_path_factory.mktemp("ckpt") / "run"
-    check_ok(run_trainer("ppo.py", cli(run_dir, **SMALL_RUN)))
+    check_ok(run_here("ppo.py", cli(run_dir, **SMALL_RUN)))
     return run_dir
 
 
@@ -157,7 +157,7 @@ def test_resume_with_more_total_steps_continues_the_curve(finished_run, tmp_path
     # What a run killed after its last checkpoint (step 1) leaves: a later step logged, a half-written line.
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"step": 2, "reward": -1.0}) + "\n" + '{"step": 3, "rew')
-    check_ok(run_trainer("ppo.py", cli(run_dir, **{**SMALL_RUN, "total_steps": 2}, resume=True)))
+    check_ok(run_here("ppo.py", cli(run_dir, **{**SMALL_RUN, "total_steps": 2}, resume=True)))
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 2
     rows = [r for r in read_metrics(run_dir) if "reward" in r]
@@ -217,7 +217,7 @@ def wait_for_first_step(proc, run_dir: Path, timeout: float = 180) -> None:
 
 def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    check_ok(run_trainer("ppo.py", cli(straight, **RESUME_RUN)))
+    check_ok(run_here("ppo.py", cli(straight, **RESUME_RUN)))
 
     with open(tmp_path / "split.log", "w") as log:
         proc = start_trainer("ppo.py", cli(split, **RESUME_RUN), log)
@@ -235,7 +235,7 @@ def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert not (split / "results.json").exists()
 
-    check_ok(run_trainer("ppo.py", cli(split, **RESUME_RUN, resume=True)))
+    check_ok(run_here("ppo.py", cli(split, **RESUME_RUN, resume=True)))
 
     (pol_a, crit_a), (pol_b, crit_b) = load_final(straight), load_final(split)
     assert pol_a.keys() == pol_b.keys() and crit_a.keys() == crit_b.keys()

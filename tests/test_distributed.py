@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -85,18 +86,49 @@ def flags(run_dir: Path, data: Path, **extra) -> list[str]:
     return cli(run_dir, BASE, data_dir=data, **extra)
 
 
-def one_process(script: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / script), *args], cwd=REPO, env=env(), capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
+def start(cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a process, its output into temporary files (a full pipe would block it): two runs that do not
+    depend on each other run at once, one core each."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(env(), **(extra_env or {})), stdout=out, stderr=err, text=True)
+    proc.files = (out, err)  # type: ignore[attr-defined]
+    return proc
 
 
-def torchrun(script: str, args: list[str], nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    texts = []
+    for f in proc.files:  # type: ignore[attr-defined]
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, *texts)
+
+
+def one_process_cmd(script: str, args: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / script), *args]
+
+
+def torchrun_cmd(script: str, args: list[str], nproc: int = 2) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run(
-        [*cmd, str(REPO / script), *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout
-    )
+    return [*cmd, str(REPO / script), *args]
+
+
+def one_process(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    return finish(start(one_process_cmd(script, args)))
+
+
+def torchrun(script: str, args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    return finish(start(torchrun_cmd(script, args, nproc)))
+
+
+def side_by_side(*cmds: list[str]) -> list[subprocess.CompletedProcess]:
+    """Independent runs at once (each process has one thread): their results are the same as one after another."""
+    return [finish(p) for p in [start(c) for c in cmds]]
 
 
 def free_port() -> int:
@@ -206,9 +238,11 @@ def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
     one, two = tmp_path / "one", tmp_path / "two"
     if name == "ppo":
         one = ppo_single
+        proc = torchrun(script, flags(two, data_dir, **extra))
     else:
-        check_ok(one_process(script, flags(one, data_dir, **extra)))
-    proc = torchrun(script, flags(two, data_dir, **extra))
+        single, proc = side_by_side(one_process_cmd(script, flags(one, data_dir, **extra)),
+                                    torchrun_cmd(script, flags(two, data_dir, **extra)))  # fmt: skip
+        check_ok(single)
     check_ok(proc)
     assert proc.stdout.count("test accuracy") == 1, "rank 0 alone reports"
     assert_same_weights(one, two)
@@ -250,7 +284,7 @@ def rank_pid(tag: str, rank: int, timeout: float = 60) -> int:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's pid through /proc (Linux)")
 def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, data_dir):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    check_ok(one_process("ppo.py", flags(straight, data_dir, **SIGTERM_RUN)))
+    straight_run = start(one_process_cmd("ppo.py", flags(straight, data_dir, **SIGTERM_RUN)))  # alongside
 
     tag = uuid.uuid4().hex
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -272,6 +306,7 @@ def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, d
                 proc.kill()
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
+    check_ok(finish(straight_run))
     stopped_at = json.loads((split / common.CHECKPOINT / "state.json").read_text())["counters"]["step"]
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert f"stopped by a signal on another rank after step {stopped_at}" in out, out[-3000:]
@@ -306,8 +341,9 @@ FSDP_RUN = dict(RUNS["ppo"][1], critic="full")  # policy, reference and a full c
 @pytest.mark.skipif(fsdp_missing() is not None, reason=str(fsdp_missing()))
 def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
     one, two = tmp_path / "one", tmp_path / "two"
-    check_ok(one_process("ppo.py", flags(one, data_dir, **FSDP_RUN)))
-    check_ok(torchrun("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True)))
+    for proc in side_by_side(one_process_cmd("ppo.py", flags(one, data_dir, **FSDP_RUN)),
+                             torchrun_cmd("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True))):  # fmt: skip
+        check_ok(proc)
     ckpt = two / common.CHECKPOINT
     common.verify_checkpoint(ckpt)
     assert {p.name for p in (ckpt / "dcp").iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
@@ -320,8 +356,10 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
     AutoModelForCausalLM.from_pretrained(ckpt / "policy")  # still a plain transformers folder
 
     # one more step: one process from its own checkpoint; the two-rank FSDP checkpoint resharded onto one rank
-    check_ok(one_process("ppo.py", flags(one, data_dir, **{**FSDP_RUN, "total_steps": 3}, resume=True)))
-    check_ok(torchrun("ppo.py", flags(two, data_dir, **{**FSDP_RUN, "total_steps": 3}, fsdp=True, resume=True), 1))
+    more = {**FSDP_RUN, "total_steps": 3}
+    for proc in side_by_side(one_process_cmd("ppo.py", flags(one, data_dir, **more, resume=True)),
+                             torchrun_cmd("ppo.py", flags(two, data_dir, **more, fsdp=True, resume=True), 1)):  # fmt: skip
+        check_ok(proc)
     assert_same_weights(one, two)
     assert_same_curve(one, two)
 

@@ -20,6 +20,7 @@ from helpers import (
     is_finite,
     read_metrics,
     require_gsm8k_dir,
+    run_here,
     run_in_process,
     run_trainer,
     tree_digest,
@@ -60,7 +61,7 @@ def dpo_run(tmp_path_factory):
     def get(mode: str):
         if mode not in cache:
             run_dir = tmp_path_factory.mktemp(mode.replace(" ", "-")) / "run"
-            proc = run_trainer("dpo.py", cli(run_dir, DPO_TINY, total_steps=2, **MODES[mode]))
+            proc = run_here("dpo.py", cli(run_dir, DPO_TINY, total_steps=2, **MODES[mode]))
             check_ok(proc)
             cache[mode] = (run_dir, proc)
         return cache[mode][0]
@@ -116,7 +117,7 @@ def test_offline_resume_reuses_the_cached_pairs(dpo_run, tmp_path):
     before, stat = tree_digest(run_dir)["pairs.jsonl"], cache.stat()
     tokens = json.loads((run_dir / "results.json").read_text())["generated_tokens"]
 
-    proc = run_trainer("dpo.py", cli(run_dir, DPO_TINY, total_steps=3, resume=True, **MODES["gold offline sigmoid"]))
+    proc = run_here("dpo.py", cli(run_dir, DPO_TINY, total_steps=3, resume=True, **MODES["gold offline sigmoid"]))
     check_ok(proc)
     assert f"offline pairs: {len(read_pairs(run_dir))} in {cache}" in proc.stdout
     # not sampled again: the file is untouched (a new sample is written to a new file and renamed over it)
@@ -279,7 +280,7 @@ def test_preference_and_reward_rise_on_the_toy_task(tmp_path):
         scale="study",
     )
     run_dir = tmp_path / "run"
-    check_ok(run_trainer("dpo.py", cli(run_dir, DPO_TINY, **flags)))
+    check_ok(run_here("dpo.py", cli(run_dir, DPO_TINY, **flags)))
     rows = [r for r in read_metrics(run_dir) if "loss" in r]
     assert len(rows) == 24
     rewards = [r["reward"] for r in rows]
@@ -317,20 +318,25 @@ def test_an_online_step_without_pairs_logs_null_not_zero(tmp_path, monkeypatch):
         pairs="self",
         online=True,
         task="toy",
-        total_steps=2,
+        total_steps=4,
         batch_size=batch,
         samples_per_prompt=k,
         max_new_tokens=2,
         eval_size=1,
         test_size=1,
         eval_max_new_tokens=1,
+        lr=1e-3,
+        lr_schedule="linear",
     )
     run_in_process("dpo", cli(tmp_path / "run", DPO_TINY, **flags), monkeypatch)
-    first, second = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    first, second = rows[:2]
     assert first["pairs"] == batch and first["reward"] == 0.5 and is_finite(first["loss"])
     assert second["pairs"] == 0 and second["reward"] == 1.0 and second["no_pair_share"] == 1.0
     for key in ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward"):
         assert second[key] is None, f"{key} = {second[key]} logged for a step without pairs"
+    # the schedule counts steps, updated or not: linear decay over 4 steps, 1e-3 x (1 - s/4) after step s
+    assert [r["lr"] for r in rows] == pytest.approx([7.5e-4, 5e-4, 2.5e-4, 0.0])
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -354,3 +360,15 @@ def test_bad_input_is_one_error_line(tmp_path, case):
     line = check_one_error_line(run_trainer("dpo.py", cli(run_dir, DPO_TINY, **flags), timeout=120))
     assert named in line
     assert not (run_dir / "results.json").exists() and not (run_dir / common.CHECKPOINT).exists()
+
+
+def test_a_new_run_never_takes_pairs_it_did_not_sample(tmp_path):
+    """Cached pairs come with the checkpoint's settings check only on --resume: a new run in a folder that
+    holds a pairs.jsonl (from a run that never saved) is refused, and the file is left as it was."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "pairs.jsonl").write_text('{"prompt": 0}\n')
+    before = tree_digest(run_dir)
+    line = check_one_error_line(run_trainer("dpo.py", cli(run_dir, DPO_TINY, **MODES["gold offline sigmoid"])))
+    assert "pairs.jsonl" in line and str(run_dir) in line
+    assert tree_digest(run_dir) == before

@@ -16,6 +16,7 @@ from helpers import (
     cli,
     is_finite,
     read_metrics,
+    run_here,
     run_in_process,
     run_trainer,
     step_rows,
@@ -54,7 +55,7 @@ MODES = {
 def test_each_mode_runs_two_steps(tmp_path, mode):
     run_dir = tmp_path / "run"
     flags = dict(MODES[mode], total_steps=2)
-    check_ok(run_trainer("grpo.py", cli(run_dir, GRPO_TINY, **flags)))
+    check_ok(run_here("grpo.py", cli(run_dir, GRPO_TINY, **flags)))
 
     results = check_results(run_dir, steps=2)
     assert results["method"] == "grpo" and results["critic"] == "group" and results["critic_params"] == 0
@@ -100,7 +101,7 @@ def test_reward_rises_on_the_toy_task(tmp_path):
         eval_max_new_tokens=4,
         scale="study",
     )
-    check_ok(run_trainer("grpo.py", cli(tmp_path / "run", GRPO_TINY, **flags)))
+    check_ok(run_here("grpo.py", cli(tmp_path / "run", GRPO_TINY, **flags)))
     rewards = [r["reward"] for r in step_rows(tmp_path / "run")]
     assert len(rewards) == 30
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

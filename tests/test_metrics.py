@@ -212,4 +212,6 @@ def test_mean_interval():
     assert m == pytest.approx(statistics.fmean(values))
     half = 2.0 * statistics.stdev(values) / math.sqrt(3)
     assert (lo, hi) == pytest.approx((m - half, m + half))
-    assert common.mean_interval([0.4])[0] == 0.4
+    m, lo, hi = common.mean_interval([0.4])  # one seed: a mean, and no interval rather than a zero-width one
+    assert m == 0.4 and math.isnan(lo) and math.isnan(hi)
+    assert all(math.isnan(x) for x in common.mean_interval([]))

@@ -16,6 +16,7 @@ from helpers import (
     cli,
     is_finite,
     require_gsm8k_dir,
+    run_here,
     run_trainer,
     step_rows,
 )
@@ -31,7 +32,7 @@ CRITIC_PARAMS = {"none": 0, "small": 4_225, "medium": 33_793, "large": 67_585, "
 def test_each_critic_runs_two_steps_with_the_mc_measurement(tmp_path, critic):
     run_dir = tmp_path / "run"
     flags = dict(critic=critic, total_steps=2, mc_every=1, mc_states=1, mc_prompts=2, mc_samples=2)
-    check_ok(run_trainer("ppo.py", cli(run_dir, **flags)))
+    check_ok(run_here("ppo.py", cli(run_dir, **flags)))
 
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 2 and results["critic"] == critic
@@ -76,7 +77,7 @@ def test_reward_rises_on_the_toy_task(tmp_path, critic):
         eval_max_new_tokens=4,
         scale="study",
     )
-    check_ok(run_trainer("ppo.py", cli(tmp_path / "run", **flags)))
+    check_ok(run_here("ppo.py", cli(tmp_path / "run", **flags)))
     rewards = [r["reward"] for r in step_rows(tmp_path / "run")]
     assert len(rewards) == 30
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
