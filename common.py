@@ -1720,7 +1720,11 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, global_: bool = False) -> torch.Tensor:
-    """Mean of x over mask == 1.  [...], [...] -> []. global_=True reduces over every rank."""
+    """Mean of x over mask == 1.  [...], [...] -> [].
+
+    global_=True reduces over every rank and returns a statistic without a gradient (an all-reduce does not
+    carry one): for whitening and logging, never for a loss, whose normaliser is a count passed in instead.
+    """
     s = torch.stack([masked_sum(x, mask), mask.sum().to(x.dtype)])
     if global_:
         s = all_reduce_sum(s.detach())
