@@ -8,7 +8,7 @@
 #     source /tmp/stage/stage.sh b && bash bench/run_gpu.sh
 # It writes env.txt, pytest.log, bench.log and throughput.json under $OUT when set, else bench/out.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 out=${OUT:-bench/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -32,6 +32,7 @@ timeout 110 python3 -m pytest tests/test_engine.py -q -x -p no:cacheprovider 2>&
 echo "tests done at $((SECONDS - t0)) s"
 
 # 2. the benchmark: check, generate, hf_static, eval, grpo (grpo.py and TRL), ppo, train
+# shellcheck disable=SC2086  # BENCH_ARGS: extra flags, split into words on purpose
 timeout 400 python3 bench/throughput.py --out "$out/throughput.json" --work-dir /tmp/bench-work \
   --deadline-s 300 --subprocess-timeout-s 120 ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
 status=${PIPESTATUS[0]}
