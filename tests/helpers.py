@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -77,6 +78,33 @@ def run_trainer(script: str, args: list[str], timeout: float = 300) -> subproces
     )
 
 
+@contextlib.contextmanager
+def as_trainer(script: str, args: list[str]):
+    """The trainer module (e.g. "grpo" or "grpo.py") with sys.argv, the environment and the signal handlers set
+    as for `python script args`; all three restored after."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    saved_argv, saved_env = sys.argv, dict(os.environ)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    sys.argv = [f"{module.__name__}.py", *args]
+    os.environ.update(trainer_env())
+    os.environ.pop("RANK", None)
+    try:
+        yield module
+    finally:
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def run_in_process(script: str, args: list[str]) -> None:
+    """`script`.main() in this process, so that a test can watch its internals through monkeypatch; an
+    exception propagates."""
+    with as_trainer(script, args) as module:
+        module.main()
+
+
 def run_here(script: str, args: list[str]) -> subprocess.CompletedProcess:
     """run_trainer in this process: the same exit code, stdout and stderr, without the ~4 s a new Python takes
     to import torch and transformers. For runs that must succeed; bad input goes through run_trainer, whose
@@ -84,50 +112,38 @@ def run_here(script: str, args: list[str]) -> subprocess.CompletedProcess:
     """
     import common
 
-    module = importlib.import_module(script.removesuffix(".py"))
-    saved_argv, saved_env = sys.argv, dict(os.environ)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     out, err, rc = io.StringIO(), io.StringIO(), 0
-    sys.argv = [script, *args]
-    os.environ.update(trainer_env())
-    os.environ.pop("RANK", None)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                common.run_main(module.main)
-            except SystemExit as e:
-                rc = e.code if isinstance(e.code, int) else 1
-            except Exception:
-                traceback.print_exc()
-                rc = 1
-    finally:
-        sys.argv = saved_argv
-        os.environ.clear()
-        os.environ.update(saved_env)
-        for s, h in handlers.items():
-            signal.signal(s, h)
+    with as_trainer(script, args) as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            common.run_main(module.main)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        except Exception:
+            traceback.print_exc()
+            rc = 1
     return subprocess.CompletedProcess([script, *args], rc, out.getvalue(), err.getvalue())
+
+
+def wait_for_first_step(proc: subprocess.Popen, run_dir: Path, timeout: float = 180) -> None:
+    """Wait until the run in the background has logged a step to metrics.jsonl (it must still be running)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "the run ended before its first step was logged"
+        if (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip():
+            return
+        time.sleep(0.05)
+    raise AssertionError("no step logged in time")
+
+
+def assert_rises(values: list[float], by: float, to: float, what: str = "reward") -> None:
+    """A learning test's check: the mean of the last five values beats the first five by `by` and reaches `to`."""
+    first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
+    assert last >= first + by and last >= to, f"{what} did not rise: {[round(v, 2) for v in values]}"
 
 
 def start_trainer(script: str, args: list[str], log) -> subprocess.Popen:
     """Start a trainer in the background, stdout and stderr into the open file `log` (a pipe could fill up)."""
     return subprocess.Popen(command(script, args), cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT)
-
-
-def run_in_process(script: str, args: list[str], monkeypatch) -> None:
-    """`script`.main() (e.g. "grpo") in this process, so that a test can watch its internals through monkeypatch.
-
-    sys.argv and $GSM8K_DIR go through monkeypatch; the signal handlers the trainer installs are restored after.
-    """
-    module = importlib.import_module(script)
-    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
-    monkeypatch.setenv("GSM8K_DIR", require_gsm8k_dir())
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        module.main()
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

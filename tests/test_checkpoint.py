@@ -8,12 +8,21 @@ import json
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_ok, check_one_error_line, cli, read_metrics, run_here, run_trainer, start_trainer, tree_digest
+from helpers import (
+    check_ok,
+    check_one_error_line,
+    cli,
+    read_metrics,
+    run_here,
+    run_trainer,
+    start_trainer,
+    tree_digest,
+    wait_for_first_step,
+)
 
 import common
 from critics import build_critic
@@ -203,16 +212,6 @@ def load_final(run_dir: Path) -> tuple[dict, dict]:
 
     ckpt = run_dir / common.CHECKPOINT
     return load_file(ckpt / "policy" / "model.safetensors"), load_file(ckpt / "critic.safetensors")
-
-
-def wait_for_first_step(proc, run_dir: Path, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, "the run ended before its first step was logged"
-        if (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").read_text().strip():
-            return
-        time.sleep(0.05)
-    raise AssertionError("no step logged in time")
 
 
 def test_sigterm_then_resume_equals_a_straight_run(tmp_path):

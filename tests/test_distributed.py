@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_ok, cli, trainer_env
+from helpers import REPO, check_ok, cli, trainer_env, wait_for_first_step
 
 import common
 
@@ -295,10 +295,7 @@ def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, d
         )  # fmt: skip
         try:
             pid = rank_pid(tag, rank=1)
-            deadline = time.time() + 180
-            while not ((split / "metrics.jsonl").is_file() and (split / "metrics.jsonl").read_text().strip()):
-                assert proc.poll() is None and time.time() < deadline, "no step logged"
-                time.sleep(0.05)
+            wait_for_first_step(proc, split)
             os.kill(pid, signal.SIGTERM)  # rank 1 only; rank 0 learns of it through the all-reduced flag
             rc = proc.wait(timeout=180)
         finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    assert_rises,
     check_ok,
     check_one_error_line,
     cli,
@@ -80,8 +81,7 @@ def test_reward_rises_on_the_toy_task(tmp_path, critic):
     check_ok(run_here("ppo.py", cli(tmp_path / "run", **flags)))
     rewards = [r["reward"] for r in step_rows(tmp_path / "run")]
     assert len(rewards) == 30
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last >= first + 0.3 and last >= 0.6, f"reward did not rise: {[round(r, 2) for r in rewards]}"
+    assert_rises(rewards, by=0.3, to=0.6)
 
 
 # ------------------------------------------------------------------------------------------------------
