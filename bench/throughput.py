@@ -152,9 +152,8 @@ def apply_tiny(args: Args) -> None:
 class Bench:
     def __init__(self, args: Args) -> None:
         self.args = args
-        self.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device)
-        if args.device == "auto" and not torch.cuda.is_available():
-            self.device = torch.device("cpu")
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(auto if args.device == "auto" else args.device)
         self.cuda = self.device.type == "cuda"
         self.t_start = time.perf_counter()
         self.model_name = "tiny" if args.tiny else (args.model or os.environ.get("SMOLLM2_GGUF") or "smollm2")

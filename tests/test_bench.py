@@ -11,6 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,3 +46,17 @@ def test_throughput_tiny_cpu(tmp_path):
     assert r["engine_over_hf_dynamic"] > 0 and r["engine_over_hf_static_compiled"] > 0
     assert r["eval_full_test_s"] == sec["eval"]["warm_s"]
     assert r["grpo_step_s"] is None  # the grpo section did not run
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of --device auto without a GPU")
+def test_default_device_without_a_gpu_is_the_cpu(tmp_path):
+    out = tmp_path / "throughput.json"
+    cmd = [sys.executable, "bench/throughput.py", "--tiny", "--sections", "check", "--out", str(out)]
+    cmd += ["--work-dir", str(tmp_path / "work")]
+    env = dict(os.environ)
+    if "GSM8K_DIR" not in env and (ROOT.parent / "shared/data/gsm8k").is_dir():
+        env["GSM8K_DIR"] = str(ROOT.parent / "shared/data/gsm8k")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "cpu" in json.dumps(report["device"]).lower() and "check" in report["sections"]
