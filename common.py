@@ -109,13 +109,8 @@ def world_size() -> int:
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over ranks (a no-op in one process). Returns a new tensor; the input is untouched."""
     x = x.clone()
-    if world_size() > 1:
-        if x.device.type == "cpu" or dist.get_backend() != "gloo":
-            dist.all_reduce(x)
-        else:  # gloo cannot reduce CUDA tensors
-            y = x.cpu()
-            dist.all_reduce(y)
-            x = y.to(x.device)
+    if world_size() > 1:  # gloo reduces CPU tensors, NCCL CUDA ones (setup_distributed's backends)
+        dist.all_reduce(x)
     return x
 
 
@@ -214,8 +209,8 @@ class StopSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         self.flag, self.name = True, signal.Signals(signum).name
 
-    def should_stop(self, device: torch.device) -> bool:
-        return bool(all_reduce_sum(torch.tensor([float(self.flag)], device=device)).item() > 0)
+    def should_stop(self) -> bool:
+        return not all_ok(not self.flag)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -323,7 +318,8 @@ class FullWeights:
                 self.copy = AutoModelForCausalLM.from_config(self.lm.config, dtype=dtype).eval().requires_grad_(False)
         params, buffers = dict(self.copy.named_parameters()), dict(self.copy.named_buffers())
         for name, p in self.lm.named_parameters():  # the same order on every rank: the all-gathers match
-            params[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)
+            # cast the shard first: the same bits, half the all-gather's bytes (and memory) for bf16 copies
+            params[name].copy_(p.to(params[name].dtype).full_tensor() if isinstance(p, DTensor) else p)
         for name, b in self.lm.named_buffers():  # buffers are not sharded
             buffers[name].copy_(b)
         return self.copy
@@ -456,9 +452,14 @@ class PromptSampler:
 INSTRUCTION = 'Solve the problem step by step. On the last line, write "####" followed by the final answer as a number.'
 
 
+def prompt_text(question: str) -> str:
+    """The user message for one problem: the question, then the one instruction."""
+    return f"{question.strip()}\n\n{INSTRUCTION}"
+
+
 def encode_prompt(tokenizer: Any, question: str, prompt_format: str = "chat") -> list[int]:
     """Token ids of the prompt for one problem. The only prompt builder: training and evaluation call it."""
-    content = f"{question.strip()}\n\n{INSTRUCTION}"
+    content = prompt_text(question)
     if prompt_format == "chat":
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("this tokenizer has no chat template; pass --prompt-format plain to use plain-text prompts")
@@ -816,8 +817,7 @@ class Rollout:
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists to a common length (rounded up to `multiple`): ids [B, P], mask [B, P]."""
-    width = max(len(s) for s in seqs)
-    width = -(-width // multiple) * multiple
+    width = _round_up(max(len(s) for s in seqs), multiple)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):

@@ -192,7 +192,7 @@ def main() -> None:
     ref = copy.deepcopy(policy).eval().requires_grad_(False)  # DPO's baseline: the log-ratio to this model
     critic = None  # DPO has no critic
     model = common.PolicyForward(policy, compile=args.compile)
-    ref_model = common.PolicyForward(ref, compile=args.compile) if ref is not None else None
+    ref_model = common.PolicyForward(ref, compile=args.compile)
     ddp_model = common.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
     actor = common.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
@@ -310,8 +310,7 @@ def main() -> None:
             pad,
         )
         ids, attn = ids.to(device), attn.to(device)
-        logp = module(ids, attn, P)[0]  # [2N, T]
-        seq = (logp * attn[:, P:]).sum(-1)
+        seq = module(ids, attn, P)[0].sum(-1)  # [2N, T] log-probs, 0 on padding -> [2N]
         return seq[: len(pairs)], seq[len(pairs) :]
 
     def reference_logps(pairs: list[dict]) -> None:
@@ -434,7 +433,10 @@ def main() -> None:
         t_update = time.time()
         sums: dict[str, float] = {}
         N = len(pairs)
-        for _epoch in range(args.update_epochs if n_real else 0):
+        for _epoch in range(args.update_epochs):
+            if not n_real:  # no pair, no update; the schedule still moves on, so that it ends where it should
+                scheduler.step()
+                continue
             for s in range(0, N, micro):
                 sl = slice(s, s + micro)
                 last_micro = s + micro >= N
@@ -462,9 +464,6 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
-        if not n_real:  # no pair, no update; the schedule still moves on, so that it ends where it should
-            for _epoch in range(args.update_epochs):
-                scheduler.step()
         t_update = time.time() - t_update
 
         # ==================================================================================================
@@ -511,7 +510,7 @@ def main() -> None:
         # ==================================================================================================
         # checkpoint
         # ==================================================================================================
-        if stopper.should_stop(device):
+        if stopper.should_stop():
             save()
             if dist_.main:
                 print(

@@ -319,7 +319,7 @@ def main() -> None:
         P = ro.prompt_ids.shape[1]
         input_ids, attn, rmask = ro.input_ids, ro.attention_mask, ro.response_mask  # [B, P+T], [B, P+T], [B, T]
         old_logp = ro.logprobs
-        seq_len = attn.sum(-1)  # [B] tokens per sequence: micro-batches of similar length waste little padding
+        seq_len = attn.sum(-1).cpu()  # [B] tokens per sequence, on the host once: micro-batches of similar length
         t_rollout = time.time() - t0
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
@@ -493,7 +493,7 @@ def main() -> None:
         # ==================================================================================================
         # checkpoint
         # ==================================================================================================
-        if stopper.should_stop(device):
+        if stopper.should_stop():
             save()
             if dist_.main:
                 print(

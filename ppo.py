@@ -336,7 +336,7 @@ def main() -> None:
         P = ro.prompt_ids.shape[1]
         input_ids, attn, rmask = ro.input_ids, ro.attention_mask, ro.response_mask  # [B, P+T], [B, P+T], [B, T]
         old_logp = ro.logprobs
-        seq_len = attn.sum(-1)  # [B] tokens per sequence: micro-batches of similar length waste little padding
+        seq_len = attn.sum(-1).cpu()  # [B] tokens per sequence, on the host once: micro-batches of similar length
         t_rollout = time.time() - t0
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
@@ -344,9 +344,11 @@ def main() -> None:
             for rows in common.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
                 if ref_model is not None:
                     ref_logp[rows] = ref_model(input_ids[rows], attn[rows], P, args.temperature)[0]
-                if args.recompute_logprobs:
-                    old_logp[rows] = model(input_ids[rows], attn[rows], P, args.temperature)[0]
-                if critic is not None and critic.needs_trunk:
+                if args.recompute_logprobs:  # the training forward: log-probs, and a full critic's values with them
+                    old_logp[rows], _, v = model(input_ids[rows], attn[rows], P, args.temperature)
+                    if critic is not None and critic.needs_trunk:
+                        old_values[rows] = v
+                elif critic is not None and critic.needs_trunk:  # the full critic's trunk alone
                     ids_, attn_, p_, t_ = common.trim_padding(input_ids[rows], attn[rows], P)
                     v = critic(ids_, attn_, common.position_ids_from_mask(attn_))[:, p_ - 1 : -1]
                     old_values[rows, :t_] = v.float() * rmask[rows, :t_]
@@ -549,7 +551,7 @@ def main() -> None:
         # ==================================================================================================
         # checkpoint
         # ==================================================================================================
-        if stopper.should_stop(device):
+        if stopper.should_stop():
             save()
             if dist_.main:
                 print(

@@ -81,7 +81,7 @@ def main() -> None:
 
     splits = common.load_gsm8k(args.data_dir)
     rows = [
-        {"prompt": [{"role": "user", "content": f"{p.question.strip()}\n\n{common.INSTRUCTION}"}], "gold": p.gold}
+        {"prompt": [{"role": "user", "content": common.prompt_text(p.question)}], "gold": p.gold}
         for p in splits["train"][: max(args.prompts * (args.steps + 1), 64)]
     ]  # the same user message as common.encode_prompt's chat prompt
 

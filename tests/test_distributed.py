@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_ok, cli, trainer_env, wait_for_first_step
+from helpers import REPO, check_ok, cli, command, trainer_env, wait_for_first_step
 
 import common
 
@@ -109,17 +109,13 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.Completed
     return subprocess.CompletedProcess(proc.args, proc.returncode, *texts)
 
 
-def one_process_cmd(script: str, args: list[str]) -> list[str]:
-    return [sys.executable, str(REPO / script), *args]
-
-
 def torchrun_cmd(script: str, args: list[str], nproc: int = 2) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return [*cmd, str(REPO / script), *args]
 
 
 def one_process(script: str, args: list[str]) -> subprocess.CompletedProcess:
-    return finish(start(one_process_cmd(script, args)))
+    return finish(start(command(script, args)))
 
 
 def torchrun(script: str, args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
@@ -240,7 +236,7 @@ def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
         one = ppo_single
         proc = torchrun(script, flags(two, data_dir, **extra))
     else:
-        single, proc = side_by_side(one_process_cmd(script, flags(one, data_dir, **extra)),
+        single, proc = side_by_side(command(script, flags(one, data_dir, **extra)),
                                     torchrun_cmd(script, flags(two, data_dir, **extra)))  # fmt: skip
         check_ok(single)
     check_ok(proc)
@@ -284,7 +280,7 @@ def rank_pid(tag: str, rank: int, timeout: float = 60) -> int:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's pid through /proc (Linux)")
 def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, data_dir):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    straight_run = start(one_process_cmd("ppo.py", flags(straight, data_dir, **SIGTERM_RUN)))  # alongside
+    straight_run = start(command("ppo.py", flags(straight, data_dir, **SIGTERM_RUN)))  # alongside
 
     tag = uuid.uuid4().hex
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -338,7 +334,7 @@ FSDP_RUN = dict(RUNS["ppo"][1], critic="full")  # policy, reference and a full c
 @pytest.mark.skipif(fsdp_missing() is not None, reason=str(fsdp_missing()))
 def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
     one, two = tmp_path / "one", tmp_path / "two"
-    for proc in side_by_side(one_process_cmd("ppo.py", flags(one, data_dir, **FSDP_RUN)),
+    for proc in side_by_side(command("ppo.py", flags(one, data_dir, **FSDP_RUN)),
                              torchrun_cmd("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True))):  # fmt: skip
         check_ok(proc)
     ckpt = two / common.CHECKPOINT
@@ -354,7 +350,7 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
 
     # one more step: one process from its own checkpoint; the two-rank FSDP checkpoint resharded onto one rank
     more = {**FSDP_RUN, "total_steps": 3}
-    for proc in side_by_side(one_process_cmd("ppo.py", flags(one, data_dir, **more, resume=True)),
+    for proc in side_by_side(command("ppo.py", flags(one, data_dir, **more, resume=True)),
                              torchrun_cmd("ppo.py", flags(two, data_dir, **more, fsdp=True, resume=True), 1)):  # fmt: skip
         check_ok(proc)
     assert_same_weights(one, two)

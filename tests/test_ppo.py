@@ -59,6 +59,21 @@ def test_each_critic_runs_two_steps_with_the_mc_measurement(tmp_path, critic):
     assert (ckpt / "critic.safetensors").is_file() == (critic != "none")
 
 
+def test_recompute_logprobs_takes_old_logprobs_and_full_critic_values_from_the_training_forward(tmp_path):
+    """--recompute-logprobs: one training forward per micro-batch gives the old log-probs and a full critic's
+    old values. With one minibatch and one epoch the first update's ratio is then exactly 1 (approx_kl 0),
+    and the value loss is the one the rollout's own log-probs give."""
+    flags = dict(critic="full", task="toy", total_steps=1, lr=1e-3, update_epochs=1, num_minibatches=1)
+    rows = {}
+    for recompute in (False, True):
+        run_dir = tmp_path / f"recompute-{recompute}"
+        check_ok(run_here("ppo.py", cli(run_dir, **flags, recompute_logprobs=recompute or None)))
+        rows[recompute] = step_rows(run_dir)[0]
+    assert rows[True]["approx_kl"] == 0.0 and rows[False]["approx_kl"] != 0.0
+    assert rows[True]["reward"] == rows[False]["reward"]
+    assert rows[True]["vf_loss"] == pytest.approx(rows[False]["vf_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize("critic", ["none", "small"])
 def test_reward_rises_on_the_toy_task(tmp_path, critic):
     # The toy task: reward 1 when a completion of 4 tokens holds a token id divisible by 16 (~0.23 at the start).
