@@ -33,6 +33,8 @@ import tyro
 from tqdm.auto import tqdm
 
 import common
+import engine
+import runtime
 
 
 @dataclass
@@ -151,30 +153,30 @@ def main() -> None:
     # setup
     # ==================================================================================================
     args = tyro.cli(Args)
-    dist_ = common.setup_distributed(args.device, args.fsdp)
+    dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    scaled = common.apply_cpu_scale(args, device, CPU_SCALE)
+    scaled = runtime.apply_cpu_scale(args, device, CPU_SCALE)
     if args.pairs not in ("self", "gold"):
-        raise common.UserError(f"unknown --pairs {args.pairs!r}: use self or gold")
+        raise runtime.UserError(f"unknown --pairs {args.pairs!r}: use self or gold")
     if args.pairs == "gold" and args.task != "gsm8k":
-        raise common.UserError("--pairs gold needs --task gsm8k (the reference solutions are GSM8K's)")
+        raise runtime.UserError("--pairs gold needs --task gsm8k (the reference solutions are GSM8K's)")
     if args.loss not in ("sigmoid", "ipo"):
-        raise common.UserError(f"unknown --loss {args.loss!r}: use sigmoid or ipo")
+        raise runtime.UserError(f"unknown --loss {args.loss!r}: use sigmoid or ipo")
     if args.samples_per_prompt < (2 if args.pairs == "self" else 1):
-        raise common.UserError(f"--samples-per-prompt {args.samples_per_prompt} cannot give a {args.pairs} pair")
+        raise runtime.UserError(f"--samples-per-prompt {args.samples_per_prompt} cannot give a {args.pairs} pair")
     if args.beta <= 0:
-        raise common.UserError(f"--beta {args.beta} must be positive")
-    common.check_divides("--batch-size", args.batch_size, world, "the world size")
+        raise runtime.UserError(f"--beta {args.beta} must be positive")
+    runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     micro = args.micro_batch_size
     run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
-    common.prepare_run_dir(run_dir, args.resume, dist_.main)
+    runtime.prepare_run_dir(run_dir, args.resume, dist_.main)
     if not args.resume and (run_dir / "pairs.jsonl").exists():  # only a resume reuses them, under its own checks
-        raise common.UserError(
+        raise runtime.UserError(
             f"{run_dir} holds pairs.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
         )
-    common.seed_everything(args.seed)
+    runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
-    tokenizer = common.load_tokenizer(args.model)
+    tokenizer = runtime.load_tokenizer(args.model)
     prompt_cache: dict[int, list[int]] = {}
 
     def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
@@ -186,15 +188,15 @@ def main() -> None:
     # model
     # ==================================================================================================
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
-    policy = common.load_model(args.model, tokenizer, args.seed).to(home)
+    policy = runtime.load_model(args.model, tokenizer, args.seed).to(home)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False)  # DPO's baseline: the log-ratio to this model
     critic = None  # DPO has no critic
-    model = common.PolicyForward(policy, compile=args.compile)
-    ref_model = common.PolicyForward(ref, compile=args.compile)
-    ddp_model = common.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
-    actor = common.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
+    model = engine.PolicyForward(policy, compile=args.compile)
+    ref_model = engine.PolicyForward(ref, compile=args.compile)
+    ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
+    actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     opt_steps = args.total_steps * args.update_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -204,7 +206,7 @@ def main() -> None:
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
     args_dict = dataclasses.asdict(args)
     if args.resume:
-        state = common.load_checkpoint(
+        state = runtime.load_checkpoint(
             run_dir,
             policy=policy,
             critic=critic,
@@ -216,12 +218,12 @@ def main() -> None:
         counters.update(state["counters"])
     if dist_.main:
         print(
-            common.describe_run(
+            runtime.describe_run(
                 "DPO",
                 args,
                 dist_,
                 {
-                    "model": f"{args.model} ({common.count_params(policy):,} parameters)",
+                    "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
                     "pairs": f"{args.pairs}, {'online' if args.online else 'offline'}, {args.loss} loss, beta {args.beta}",
                     "data": f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
                     f" ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
@@ -233,9 +235,9 @@ def main() -> None:
             ),
             flush=True,
         )
-    stopper = common.StopSignal()
-    logger = common.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
-    ctx = common.autocast_ctx(device)
+    stopper = runtime.StopSignal()
+    logger = runtime.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
+    ctx = runtime.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
 
@@ -257,7 +259,7 @@ def main() -> None:
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
-        common.save_checkpoint(
+        runtime.save_checkpoint(
             run_dir,
             policy=policy,
             tokenizer=tokenizer,
@@ -274,8 +276,8 @@ def main() -> None:
         k = args.samples_per_prompt
         if not idx:
             return [], [0.0, 0.0, 0.0, 0.0]
-        u = common.step_uniforms(args.seed, step, stream, n_global * k, args.max_new_tokens, device)
-        ro = common.generate(
+        u = engine.step_uniforms(args.seed, step, stream, n_global * k, args.max_new_tokens, device)
+        ro = engine.generate(
             gen_model,
             [prompt_ids(i) for i in idx for _ in range(k)],
             max_new_tokens=args.max_new_tokens,
@@ -285,7 +287,7 @@ def main() -> None:
             temperature=args.temperature,
             top_p=args.top_p,
         )
-        texts, ids = common.decode_responses(tokenizer, ro)
+        texts, ids = engine.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in idx for _ in range(k)]
         scores = common.score(args.task, texts, ids, golds)
         pairs = []
@@ -304,7 +306,7 @@ def main() -> None:
 
     def seq_logps(module: torch.nn.Module, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed response log-probs of chosen and rejected, one forward over both.  -> [N], [N]"""
-        ids, attn, P = common.join_prompt_response(
+        ids, attn, P = engine.join_prompt_response(
             [prompt_ids(p["prompt"]) for p in pairs] * 2,
             [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
             pad,
@@ -324,7 +326,7 @@ def main() -> None:
     def spread(pairs: list[dict]) -> tuple[int, list[dict]]:
         """Every rank's pairs gathered, then dealt out evenly, each pair whole; the last shares are padded with
         zero-weight copies, so that every rank runs the same forwards.  -> (pairs over all ranks, this rank's share)"""
-        everyone = [p for part in common.all_gather_objects(pairs) for p in part]
+        everyone = [p for part in runtime.all_gather_objects(pairs) for p in part]
         per_rank = -(-len(everyone) // world)
         padded = everyone + [dict(everyone[0], weight=0.0)] * (per_rank * world - len(everyone)) if everyone else []
         return len(everyone), padded[dist_.rank * per_rank : (dist_.rank + 1) * per_rank]
@@ -338,11 +340,11 @@ def main() -> None:
             try:
                 pair_set = [json.loads(line) for line in pairs_path.read_text().splitlines()]
             except ValueError:
-                raise common.UserError(f"{pairs_path} is damaged; remove it to sample the pairs again") from None
+                raise runtime.UserError(f"{pairs_path} is damaged; remove it to sample the pairs again") from None
         else:
             offline = common.PromptSampler(len(splits["train"]), args.seed + 1).next(args.offline_prompts)
             chunk = args.eval_batch_size * world
-            gen_ref = common.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
+            gen_ref = runtime.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
             bar = tqdm(total=len(offline), desc="offline pairs", disable=not (dist_.main and args.progress))
             for start in range(0, len(offline), chunk):
                 part = offline[start : start + chunk]
@@ -352,9 +354,9 @@ def main() -> None:
                 pairs, stats = sample_pairs(mine, start + dist_.rank * per, len(offline), 0, 10, gen_ref)
                 _, pairs = spread(pairs)  # the same number of reference forwards on every rank
                 reference_logps(pairs)
-                for gathered in common.all_gather_objects(pairs):
+                for gathered in runtime.all_gather_objects(pairs):
                     pair_set += [p for p in gathered if p.get("weight", 1.0) > 0]
-                pair_stats = [a + b for a, b in zip(pair_stats, common.all_reduce_sum(torch.tensor(stats)).tolist())]
+                pair_stats = [a + b for a, b in zip(pair_stats, runtime.all_reduce_sum(torch.tensor(stats)).tolist())]
                 bar.update(len(part))
                 if args.token_budget and pair_stats[3] >= args.token_budget:
                     break
@@ -375,7 +377,7 @@ def main() -> None:
                     },
                 )
         if not pair_set:
-            raise common.UserError(
+            raise runtime.UserError(
                 f"no prompt yielded a {args.pairs} pair (every sample was {'right' if args.pairs == 'self' else 'wrong'}"
                 " or the other side never came up); try --pairs gold or more --samples-per-prompt"
             )
@@ -399,7 +401,7 @@ def main() -> None:
         if args.online:  # K fresh samples per prompt from the current policy
             batch_idx = sampler.next(args.batch_size)
             pairs, stats = sample_pairs(batch_idx[lo:hi], lo, args.batch_size, step, 0, actor.get())
-            stats = common.all_reduce_sum(torch.tensor(stats)).tolist()
+            stats = runtime.all_reduce_sum(torch.tensor(stats)).tolist()
         else:  # a batch of the cached pairs
             pairs = [pair_set[i] for i in sampler.next(args.batch_size)[lo:hi]]
             stats = None
@@ -411,7 +413,7 @@ def main() -> None:
         if args.online:  # pairs stay whole; spread them evenly over ranks, padding with zero-weight copies
             n_real, pairs = spread(pairs)
             if not n_real and step == 0:
-                raise common.UserError(
+                raise runtime.UserError(
                     f"no prompt of the first batch yielded a {args.pairs} pair; try --pairs gold or more "
                     "--samples-per-prompt"
                 )
@@ -440,7 +442,7 @@ def main() -> None:
             for s in range(0, N, micro):
                 sl = slice(s, s + micro)
                 last_micro = s + micro >= N
-                sync = common.no_sync(ddp_model, last_micro)
+                sync = runtime.no_sync(ddp_model, last_micro)
                 with sync, ctx:
                     pi_c, pi_r = seq_logps(ddp_model, pairs[sl])
                     loss_pair, margin = common.dpo_loss(pi_c, pi_r, ref_c[sl], ref_r[sl], args.beta, args.loss)
@@ -470,7 +472,7 @@ def main() -> None:
         # logging
         # ==================================================================================================
         keys = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward", "pairs")
-        totals = common.all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)).tolist()
+        totals = runtime.all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)).tolist()
         npairs = totals[-1]  # 0 when no prompt of an online step yielded a pair: nothing measured, logged as null
         counters["step"] = step + 1
         metrics.update({k: v / npairs if npairs else float("nan") for k, v in zip(keys[:-1], totals[:-1])})
@@ -515,7 +517,7 @@ def main() -> None:
             if dist_.main:
                 print(
                     f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
-                    f"checkpoint in {run_dir / common.CHECKPOINT}; continue with --resume",
+                    f"checkpoint in {run_dir / runtime.CHECKPOINT}; continue with --resume",
                     flush=True,
                 )
             return
@@ -544,9 +546,9 @@ def main() -> None:
             "args": args_dict,
             "scaled_down": scaled,
         }
-        common.write_results(run_dir, results, test, device, world)
+        runtime.write_results(run_dir, results, test, device, world)
     logger.close()
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    runtime.run_main(main)

@@ -31,6 +31,8 @@ import tyro
 from tqdm.auto import tqdm
 
 import common
+import engine
+import runtime
 
 
 @dataclass
@@ -164,35 +166,35 @@ def main() -> None:
     # setup
     # ==================================================================================================
     args = tyro.cli(Args)
-    dist_ = common.setup_distributed(args.device, args.fsdp)
+    dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    scaled = common.apply_cpu_scale(args, device, CPU_SCALE)
+    scaled = runtime.apply_cpu_scale(args, device, CPU_SCALE)
     if args.group_size < 2:
-        raise common.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
+        raise runtime.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
     if args.baseline not in ("mean", "loo") or args.scale_rewards not in ("group", "none"):
-        raise common.UserError("--baseline must be mean or loo, and --scale-rewards group or none")
+        raise runtime.UserError("--baseline must be mean or loo, and --scale-rewards group or none")
     if args.loss_norm not in ("token", "sequence", "constant"):  # before a rollout is spent, not at the update
-        raise common.UserError(f"unknown --loss-norm {args.loss_norm!r}: use token, sequence or constant")
+        raise runtime.UserError(f"unknown --loss-norm {args.loss_norm!r}: use token, sequence or constant")
     if args.mc_every and args.mc_samples < 2:
-        raise common.UserError(
+        raise runtime.UserError(
             f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
         )
     n_rollouts = args.batch_size * args.group_size  # completions per step, over all ranks; groups stay on one rank
-    common.check_divides("--batch-size", args.batch_size, world, "the world size")
+    runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     local_rollouts = n_rollouts // world
-    common.check_divides("completions per rank", local_rollouts, args.num_minibatches, "--num-minibatches")
+    runtime.check_divides("completions per rank", local_rollouts, args.num_minibatches, "--num-minibatches")
     minibatch = local_rollouts // args.num_minibatches  # rows per optimiser step on this rank
     micro = min(args.micro_batch_size, minibatch)
-    common.check_divides("the minibatch per rank", minibatch, micro, "--micro-batch-size")
+    runtime.check_divides("the minibatch per rank", minibatch, micro, "--micro-batch-size")
     if args.mc_every:
-        common.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
+        runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
         if args.mc_prompts > args.batch_size:
-            raise common.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
+            raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
     run_dir = Path(args.run_dir or f"runs/grpo-s{args.seed}")
-    common.prepare_run_dir(run_dir, args.resume, dist_.main)
-    common.seed_everything(args.seed)
+    runtime.prepare_run_dir(run_dir, args.resume, dist_.main)
+    runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
-    tokenizer = common.load_tokenizer(args.model)
+    tokenizer = runtime.load_tokenizer(args.model)
     prompt_cache: dict[int, list[int]] = {}
 
     def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
@@ -204,15 +206,15 @@ def main() -> None:
     # model
     # ==================================================================================================
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
-    policy = common.load_model(args.model, tokenizer, args.seed).to(home)
+    policy = runtime.load_model(args.model, tokenizer, args.seed).to(home)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
     critic = None  # GRPO has no critic: the group is the baseline
-    model = common.PolicyForward(policy, compile=args.compile)
-    ref_model = common.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    ddp_model = common.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
-    actor = common.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
+    model = engine.PolicyForward(policy, compile=args.compile)
+    ref_model = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
+    ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
+    actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     opt_steps = args.total_steps * args.update_epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -222,7 +224,7 @@ def main() -> None:
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
     args_dict = dataclasses.asdict(args)
     if args.resume:
-        state = common.load_checkpoint(
+        state = runtime.load_checkpoint(
             run_dir,
             policy=policy,
             critic=critic,
@@ -235,12 +237,12 @@ def main() -> None:
         sampler.load_state_dict(state["sampler"])
     if dist_.main:
         print(
-            common.describe_run(
+            runtime.describe_run(
                 "GRPO",
                 args,
                 dist_,
                 {
-                    "model": f"{args.model} ({common.count_params(policy):,} parameters)",
+                    "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
                     "baseline": f"group {args.baseline}, scale {args.scale_rewards}, loss norm {args.loss_norm}",
                     "data": f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
                     f" ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
@@ -252,9 +254,9 @@ def main() -> None:
             ),
             flush=True,
         )
-    stopper = common.StopSignal()
-    logger = common.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
-    ctx = common.autocast_ctx(device)
+    stopper = runtime.StopSignal()
+    logger = runtime.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
+    ctx = runtime.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
 
@@ -276,7 +278,7 @@ def main() -> None:
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
-        common.save_checkpoint(
+        runtime.save_checkpoint(
             run_dir,
             policy=policy,
             tokenizer=tokenizer,
@@ -302,11 +304,11 @@ def main() -> None:
         batch_idx = sampler.next(args.batch_size)  # the global batch; this rank takes its contiguous share
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
         local_idx = [i for i in batch_idx[lo:hi] for _ in range(args.group_size)]
-        uniforms = common.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
+        uniforms = engine.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
         uniforms = uniforms[lo * args.group_size : hi * args.group_size]
         prompts = [prompt_ids(i) for i in local_idx]
         gen = actor.get()  # the policy with whole weights
-        ro = common.generate(
+        ro = engine.generate(
             gen,
             prompts,
             max_new_tokens=args.max_new_tokens,
@@ -323,7 +325,7 @@ def main() -> None:
         t_rollout = time.time() - t0
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
-            for rows in common.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
+            for rows in engine.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
                 if ref_model is not None:
                     ref_logp[rows] = ref_model(input_ids[rows], attn[rows], P, args.temperature)[0]
                 if args.recompute_logprobs:
@@ -332,7 +334,7 @@ def main() -> None:
         # ==================================================================================================
         # reward
         # ==================================================================================================
-        texts, ids = common.decode_responses(tokenizer, ro)
+        texts, ids = engine.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in local_idx]
         scores = torch.tensor(common.score(args.task, texts, ids, golds), device=device)  # [B]
         lengths = ro.lengths  # [B]
@@ -352,7 +354,7 @@ def main() -> None:
             k, n_meas = args.mc_samples, args.mc_prompts // world
             measured = common.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
             rows = [i * args.group_size for i in measured]  # one row per measured prompt
-            mc_u = common.step_uniforms(args.seed, step, 1, args.mc_prompts * k, args.max_new_tokens, device)
+            mc_u = engine.step_uniforms(args.seed, step, 1, args.mc_prompts * k, args.max_new_tokens, device)
             mc_u = mc_u[dist_.rank * n_meas * k : (dist_.rank + 1) * n_meas * k]
             p_hat, mc_tok = common.mc_values(
                 gen,
@@ -375,11 +377,11 @@ def main() -> None:
                 "adv": centred.cpu()[members],
                 "group": torch.tensor([local_idx[r] for r in members.tolist()]),
             }
-            gathered = common.all_gather_objects(local)
+            gathered = runtime.all_gather_objects(local)
             cat = {key: torch.cat([g[key] for g in gathered]) for key in local}
             report = common.baseline_report(cat["pred"], cat["mc"], cat["ret"], cat["adv"], k, cat["group"])
             metrics.update({f"mc/{key}": v for key, v in report.items()})
-            mc_tok = int(common.all_reduce_sum(torch.tensor(float(mc_tok))).item())
+            mc_tok = int(runtime.all_reduce_sum(torch.tensor(float(mc_tok))).item())
             counters["mc_tokens"] += mc_tok
             metrics["mc/tokens"] = mc_tok
             metrics["mc/seconds"] = time.time() - t_mc
@@ -396,13 +398,13 @@ def main() -> None:
                 B, args.num_minibatches, lo * args.group_size, n_rollouts, args.seed * 7 + step * 131 + epoch
             )
             for mb_rows in deal:
-                n_tok = common.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
+                n_tok = runtime.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
                 n_seq = torch.tensor(float(minibatch * world), device=device)  # the minibatch's sequences
-                micro_batches = common.length_sorted_micro_batches(mb_rows, seq_len, micro)
+                micro_batches = engine.length_sorted_micro_batches(mb_rows, seq_len, micro)
                 for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
                     last_micro = j == len(micro_batches) - 1
-                    sync = common.no_sync(ddp_model, last_micro)
+                    sync = runtime.no_sync(ddp_model, last_micro)
                     with sync, ctx:
                         logp, entropy, _ = ddp_model(input_ids[rows], attn[rows], P, args.temperature)
                         pg_loss, clipped = common.clipped_surrogate(
@@ -436,7 +438,7 @@ def main() -> None:
         # ==================================================================================================
         # logging
         # ==================================================================================================
-        totals = common.all_reduce_sum(
+        totals = runtime.all_reduce_sum(
             torch.tensor(
                 [sums.get(key, 0.0) for key in ("pg_loss", "clipfrac", "entropy", "approx_kl", "tokens")]
                 + [
@@ -498,7 +500,7 @@ def main() -> None:
             if dist_.main:
                 print(
                     f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
-                    f"checkpoint in {run_dir / common.CHECKPOINT}; continue with --resume",
+                    f"checkpoint in {run_dir / runtime.CHECKPOINT}; continue with --resume",
                     flush=True,
                 )
             return
@@ -527,9 +529,9 @@ def main() -> None:
             "args": args_dict,
             "scaled_down": scaled,
         }
-        common.write_results(run_dir, results, test, device, world)
+        runtime.write_results(run_dir, results, test, device, world)
     logger.close()
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    runtime.run_main(main)

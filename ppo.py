@@ -31,6 +31,8 @@ import tyro
 from tqdm.auto import tqdm
 
 import common
+import engine
+import runtime
 from critics import CRITICS, build_critic
 
 
@@ -177,34 +179,34 @@ def main() -> None:
     # setup
     # ==================================================================================================
     args = tyro.cli(Args)
-    dist_ = common.setup_distributed(args.device, args.fsdp)
+    dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    scaled = common.apply_cpu_scale(args, device, CPU_SCALE)
+    scaled = runtime.apply_cpu_scale(args, device, CPU_SCALE)
     if args.critic not in CRITICS:
-        raise common.UserError(f"unknown --critic {args.critic!r}: choose one of {', '.join(CRITICS)}")
+        raise runtime.UserError(f"unknown --critic {args.critic!r}: choose one of {', '.join(CRITICS)}")
     if args.mc_every and args.mc_samples < 2:
-        raise common.UserError(
+        raise runtime.UserError(
             f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
         )
     if args.kl_mode not in ("loss", "reward"):
-        raise common.UserError(f"unknown --kl-mode {args.kl_mode!r}: use loss or reward")
+        raise runtime.UserError(f"unknown --kl-mode {args.kl_mode!r}: use loss or reward")
     n_rollouts = args.batch_size * args.rollouts_per_prompt  # completions per step, over all ranks
-    common.check_divides("--batch-size", args.batch_size, world, "the world size")
+    runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     local_rollouts = n_rollouts // world
-    common.check_divides("completions per rank", local_rollouts, args.num_minibatches, "--num-minibatches")
+    runtime.check_divides("completions per rank", local_rollouts, args.num_minibatches, "--num-minibatches")
     minibatch = local_rollouts // args.num_minibatches  # rows per optimiser step on this rank
     micro = min(args.micro_batch_size, minibatch)
-    common.check_divides("the minibatch per rank", minibatch, micro, "--micro-batch-size")
+    runtime.check_divides("the minibatch per rank", minibatch, micro, "--micro-batch-size")
     if args.mc_every:
-        common.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
+        runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
         if args.mc_prompts > args.batch_size:
-            raise common.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
+            raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
     args.critic_lr = args.critic_lr or (1e-5 if args.critic == "full" else 1e-4)
     run_dir = Path(args.run_dir or f"runs/ppo-{args.critic}-s{args.seed}")
-    common.prepare_run_dir(run_dir, args.resume, dist_.main)
-    common.seed_everything(args.seed)
+    runtime.prepare_run_dir(run_dir, args.resume, dist_.main)
+    runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
-    tokenizer = common.load_tokenizer(args.model)
+    tokenizer = runtime.load_tokenizer(args.model)
     prompt_cache: dict[int, list[int]] = {}
 
     def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
@@ -216,7 +218,7 @@ def main() -> None:
     # model
     # ==================================================================================================
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
-    policy = common.load_model(args.model, tokenizer, args.seed).to(home)
+    policy = runtime.load_model(args.model, tokenizer, args.seed).to(home)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
@@ -224,10 +226,10 @@ def main() -> None:
         torch.manual_seed(args.seed)
         critic = build_critic(args.critic, policy.config.hidden_size, policy)
     critic = critic.to(home) if critic is not None else None
-    model = common.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
-    ref_model = common.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    ddp_model = common.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
-    actor = common.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
+    model = engine.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
+    ref_model = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
+    ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
+    actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": args.critic_lr})
@@ -240,7 +242,7 @@ def main() -> None:
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
     args_dict = dataclasses.asdict(args)
     if args.resume:
-        state = common.load_checkpoint(
+        state = runtime.load_checkpoint(
             run_dir,
             policy=policy,
             critic=critic,
@@ -253,13 +255,13 @@ def main() -> None:
         sampler.load_state_dict(state["sampler"])
     if dist_.main:
         print(
-            common.describe_run(
+            runtime.describe_run(
                 "PPO",
                 args,
                 dist_,
                 {
-                    "model": f"{args.model} ({common.count_params(policy):,} parameters)",
-                    "critic": f"{args.critic} ({common.count_params(critic):,} trainable parameters)",
+                    "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
+                    "critic": f"{args.critic} ({runtime.count_params(critic):,} trainable parameters)",
                     "data": f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
                     f" ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
                     "batch": f"{n_rollouts} completions/step = {args.batch_size} prompts x {args.rollouts_per_prompt}; "
@@ -270,9 +272,9 @@ def main() -> None:
             ),
             flush=True,
         )
-    stopper = common.StopSignal()
-    logger = common.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
-    ctx = common.autocast_ctx(device)
+    stopper = runtime.StopSignal()
+    logger = runtime.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
+    ctx = runtime.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
 
@@ -294,7 +296,7 @@ def main() -> None:
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
-        common.save_checkpoint(
+        runtime.save_checkpoint(
             run_dir,
             policy=policy,
             tokenizer=tokenizer,
@@ -318,11 +320,11 @@ def main() -> None:
         batch_idx = sampler.next(args.batch_size)  # the global batch; this rank takes its contiguous share
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
         local_idx = [i for i in batch_idx[lo:hi] for _ in range(args.rollouts_per_prompt)]
-        uniforms = common.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
+        uniforms = engine.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
         uniforms = uniforms[lo * args.rollouts_per_prompt : hi * args.rollouts_per_prompt]
         prompts = [prompt_ids(i) for i in local_idx]
         gen = actor.get()  # the policy with whole weights
-        ro = common.generate(
+        ro = engine.generate(
             gen,
             prompts,
             max_new_tokens=args.max_new_tokens,
@@ -341,7 +343,7 @@ def main() -> None:
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
             old_values = torch.zeros_like(old_logp)
-            for rows in common.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
+            for rows in engine.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
                 if ref_model is not None:
                     ref_logp[rows] = ref_model(input_ids[rows], attn[rows], P, args.temperature)[0]
                 if args.recompute_logprobs:  # the training forward: log-probs, and a full critic's values with them
@@ -349,8 +351,8 @@ def main() -> None:
                     if critic is not None and critic.needs_trunk:
                         old_values[rows] = v
                 elif critic is not None and critic.needs_trunk:  # the full critic's trunk alone
-                    ids_, attn_, p_, t_ = common.trim_padding(input_ids[rows], attn[rows], P)
-                    v = critic(ids_, attn_, common.position_ids_from_mask(attn_))[:, p_ - 1 : -1]
+                    ids_, attn_, p_, t_ = engine.trim_padding(input_ids[rows], attn[rows], P)
+                    v = critic(ids_, attn_, engine.position_ids_from_mask(attn_))[:, p_ - 1 : -1]
                     old_values[rows, :t_] = v.float() * rmask[rows, :t_]
             if critic is not None and not critic.needs_trunk:
                 old_values = critic(ro.hidden).float() * rmask
@@ -358,7 +360,7 @@ def main() -> None:
         # ==================================================================================================
         # reward
         # ==================================================================================================
-        texts, ids = common.decode_responses(tokenizer, ro)
+        texts, ids = engine.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in local_idx]
         scores = torch.tensor(common.score(args.task, texts, ids, golds), device=device)  # [B]
         lengths = ro.lengths  # [B]
@@ -372,7 +374,7 @@ def main() -> None:
         # advantages
         # ==================================================================================================
         if critic is None:  # REINFORCE: the baseline is the batch-mean score, over all ranks
-            baseline = common.all_reduce_sum(
+            baseline = runtime.all_reduce_sum(
                 torch.stack([scores.sum(), torch.tensor(float(len(scores)), device=device)])
             )
             old_values = torch.full_like(rewards, (baseline[0] / baseline[1]).item()) * rmask
@@ -393,10 +395,10 @@ def main() -> None:
                     [max(1, (j * n) // (args.mc_states + 1)) for j in range(1, args.mc_states + 1)] if n > 1 else []
                 )
                 states += [(r, t) for t in [0, *inside]]
-            mc_u = common.step_uniforms(
+            mc_u = engine.step_uniforms(
                 args.seed, step, 1, args.mc_prompts * (1 + args.mc_states) * k, args.max_new_tokens, device
             )
-            offset = sum(common.all_gather_objects(len(states))[: dist_.rank]) * k
+            offset = sum(runtime.all_gather_objects(len(states))[: dist_.rank]) * k
             p_hat, mc_tok = common.mc_values(
                 gen,
                 tokenizer,
@@ -419,13 +421,13 @@ def main() -> None:
                 "adv": raw_advantages.cpu()[r_idx, t_idx],
                 "group": torch.tensor([local_idx[r] for r, _ in states]),
             }
-            gathered = common.all_gather_objects(local)
+            gathered = runtime.all_gather_objects(local)
             cat = {key: torch.cat([g[key] for g in gathered]) for key in local}
             report = common.baseline_report(
                 cat["pred"], cat["mc"], cat["ret"], cat["adv"], k, cat["group"] if args.mc_states else None
             )
             metrics.update({f"mc/{key}": v for key, v in report.items()})
-            mc_tok = int(common.all_reduce_sum(torch.tensor(float(mc_tok))).item())
+            mc_tok = int(runtime.all_reduce_sum(torch.tensor(float(mc_tok))).item())
             counters["mc_tokens"] += mc_tok
             metrics["mc/tokens"] = mc_tok
             metrics["mc/seconds"] = time.time() - t_mc
@@ -442,13 +444,13 @@ def main() -> None:
                 B, args.num_minibatches, lo * args.rollouts_per_prompt, n_rollouts, args.seed * 7 + step * 131 + epoch
             )
             for mb_rows in deal:
-                n_tok = common.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
+                n_tok = runtime.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
                 n_seq = torch.tensor(float(minibatch * world), device=device)
-                micro_batches = common.length_sorted_micro_batches(mb_rows, seq_len, micro)
+                micro_batches = engine.length_sorted_micro_batches(mb_rows, seq_len, micro)
                 for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
                     last_micro = j == len(micro_batches) - 1
-                    sync = common.no_sync(ddp_model, last_micro)
+                    sync = runtime.no_sync(ddp_model, last_micro)
                     with sync, ctx:
                         logp, entropy, values = ddp_model(input_ids[rows], attn[rows], P, args.temperature)
                         pg_loss, clipped = common.clipped_surrogate(
@@ -494,7 +496,7 @@ def main() -> None:
         # ==================================================================================================
         # logging
         # ==================================================================================================
-        totals = common.all_reduce_sum(
+        totals = runtime.all_reduce_sum(
             torch.tensor(
                 [sums.get(key, 0.0) for key in ("pg_loss", "clipfrac", "entropy", "approx_kl", "vf_loss", "tokens")]
                 + [
@@ -556,7 +558,7 @@ def main() -> None:
             if dist_.main:
                 print(
                     f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
-                    f"checkpoint in {run_dir / common.CHECKPOINT}; continue with --resume",
+                    f"checkpoint in {run_dir / runtime.CHECKPOINT}; continue with --resume",
                     flush=True,
                 )
             return
@@ -581,13 +583,13 @@ def main() -> None:
             "mc_tokens": counters["mc_tokens"],
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
-            "critic_params": common.count_params(critic),
+            "critic_params": runtime.count_params(critic),
             "args": args_dict,
             "scaled_down": scaled,
         }
-        common.write_results(run_dir, results, test, device, world)
+        runtime.write_results(run_dir, results, test, device, world)
     logger.close()
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    runtime.run_main(main)

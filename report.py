@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import runtime
 
 EXPERIMENTS = ("critic", "h2h", "labels")
 VARIANT_ORDER = [
@@ -158,15 +159,15 @@ def curve(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
 
 
 def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
-    """One run: its results.json (common.read_results: a damaged one is a UserError naming it) and metrics."""
-    res = common.read_results(run_dir / "results.json")
+    """One run: its results.json (runtime.read_results: a damaged one is a UserError naming it) and metrics."""
+    res = runtime.read_results(run_dir / "results.json")
     try:
         method, variant, seed = str(res["method"]), str(res["critic"]), int(res["seed"])
         test = res["test"]
         acc, n, (lo, hi) = float(test["accuracy"]), int(test["n"]), test["ci95"]
         gen = int(res["generated_tokens"])
     except (KeyError, TypeError, ValueError) as e:
-        raise common.UserError(f"{run_dir / 'results.json'} is damaged: missing or malformed {e}") from None
+        raise runtime.UserError(f"{run_dir / 'results.json'} is damaged: missing or malformed {e}") from None
     args = res.get("args") or {}
     rows = read_metrics(run_dir)
     step_times = [r["time/step"] for r in rows if finite(r.get("time/step"))]
@@ -660,7 +661,7 @@ def load_runs(out: Path) -> tuple[list[dict[str, Any]], list[str]]:
     for experiment, run_dir in run_folders(out):
         try:
             runs.append(load_run(run_dir, experiment))
-        except common.UserError as e:
+        except runtime.UserError as e:
             problems.append(str(e))
     return runs, problems
 
@@ -690,7 +691,7 @@ def missing_runs(out: Path, runs: list[dict[str, Any]]) -> list[str]:
 def write_report(out: Path, report_dir: Path) -> Path:
     runs, damaged = load_runs(out)
     if not runs:
-        raise common.UserError(f"no finished run (results.json) under {out}/<experiment>/<run>/")
+        raise runtime.UserError(f"no finished run (results.json) under {out}/<experiment>/<run>/")
     report_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(runs)
     summary_cols = list(summary[0].keys())
@@ -794,14 +795,14 @@ def check(dirs: list[Path], dry_run: bool) -> list[str]:
                 load_run(run_dir, run_dir.parent.name)
                 states.append("finished")
                 continue
-            except common.UserError as e:
+            except runtime.UserError as e:
                 if dry_run:
                     print(f"warning: {e}; the sweep would set it aside and redo the run", file=sys.stderr)
                 else:
                     aside = res.with_name(f"results.json.damaged-{stamp}")
                     res.rename(aside)
                     print(f"warning: {e}; kept as {aside.name}, redoing the run", file=sys.stderr)
-        if common.find_checkpoint(run_dir) is not None:
+        if runtime.find_checkpoint(run_dir) is not None:
             states.append("resume")
             continue
         if run_dir.is_dir() and any(p.name != "tb" for p in run_dir.iterdir()):
@@ -821,10 +822,10 @@ def check(dirs: list[Path], dry_run: bool) -> list[str]:
 def budget(run_dir: Path) -> tuple[int, int]:
     """A reference run's generated training tokens and steps, from its results.json."""
     if not (run_dir / "results.json").is_file():
-        raise common.UserError(f"the reference run {run_dir} has no results.json (failed or not run)")
+        raise runtime.UserError(f"the reference run {run_dir} has no results.json (failed or not run)")
     r = load_run(run_dir, run_dir.parent.name)
     if r["generated_tokens"] <= 0:
-        raise common.UserError(f"{run_dir / 'results.json'} records no generated tokens: no budget to match")
+        raise runtime.UserError(f"{run_dir / 'results.json'} records no generated tokens: no budget to match")
     return r["generated_tokens"], r["steps"]
 
 
@@ -846,7 +847,7 @@ def main() -> None:
     a = p.parse_args()
     modes = sum(x is not None for x in (a.out, a.estimate, a.check, a.budget))
     if modes != 1:
-        raise common.UserError("give exactly one of: OUT, --estimate OUT, --check DIR..., --budget DIR...")
+        raise runtime.UserError("give exactly one of: OUT, --estimate OUT, --check DIR..., --budget DIR...")
     if a.check:
         print("\n".join(check([Path(d) for d in a.check], a.dry_run)))
     elif a.budget:
@@ -858,15 +859,15 @@ def main() -> None:
         for line in damaged:
             print(f"warning: {line}", file=sys.stderr)
         if not runs:
-            raise common.UserError(f"no finished run (results.json) under {a.estimate}/<experiment>/<run>/")
+            raise runtime.UserError(f"no finished run (results.json) under {a.estimate}/<experiment>/<run>/")
         print(estimate_markdown(runs, a.steps, a.seeds, a.eval_every))
     else:
         out = Path(a.out)
         if not out.is_dir():
-            raise common.UserError(f"{out} is not a folder")
+            raise runtime.UserError(f"{out} is not a folder")
         path = write_report(out, Path(a.report_dir) if a.report_dir else out / "report")
         print(f"report: {path}")
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    runtime.run_main(main)

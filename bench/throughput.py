@@ -47,6 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+import engine  # noqa: E402
+import runtime  # noqa: E402
 
 SECTIONS = ("check", "generate", "hf_static", "eval", "grpo", "ppo", "train")
 
@@ -158,15 +160,15 @@ class Bench:
         self.t_start = time.perf_counter()
         self.model_name = "tiny" if args.tiny else (args.model or os.environ.get("SMOLLM2_GGUF") or "smollm2")
         tok_name = (os.environ.get("SMOLLM2_GGUF") or "tiny") if args.tiny else self.model_name
-        self.tok = common.load_tokenizer(tok_name)
-        self.lm = common.load_model(self.model_name, self.tok, seed=0).to(self.device).eval()
+        self.tok = runtime.load_tokenizer(tok_name)
+        self.lm = runtime.load_model(self.model_name, self.tok, seed=0).to(self.device).eval()
         self.splits = common.load_gsm8k(args.data_dir)
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         self.report: dict[str, Any] = {
-            "device": common.device_description(self.device, 1),
+            "device": runtime.device_description(self.device, 1),
             "versions": {"torch": torch.__version__, "transformers": _version("transformers"), "trl": _version("trl")},
             "model": self.model_name,
-            "dtype": common.dtype_name(self.device),
+            "dtype": runtime.dtype_name(self.device),
             "settings": asdict(args),
             "sections": {},
         }
@@ -206,7 +208,7 @@ class Bench:
         self.report["elapsed_s"] = time.perf_counter() - self.t_start
         out = Path(self.args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        common.write_json_atomic(out, self.report)
+        runtime.write_json_atomic(out, self.report)
 
 
 def _version(package: str) -> str | None:
@@ -281,25 +283,25 @@ def section_check(b: Bench) -> dict[str, Any]:
     n, T = b.args.check_rows, min(b.args.new_tokens, 128)
     prompts = b.prompts(n, "test")
     kw = dict(max_new_tokens=T, eos_id=b.eos, pad_id=b.pad)
-    ours = common.generate(b.lm, prompts, engine="static", **kw)
-    plain = common.generate(b.lm, prompts, engine="hf", **kw)
+    ours = engine.generate(b.lm, prompts, backend="static", **kw)
+    plain = engine.generate(b.lm, prompts, backend="hf", **kw)
     first_diff = []
     for x, y, lx, ly in zip(ours.response_ids.tolist(), plain.response_ids.tolist(), ours.lengths, plain.lengths):
         x, y = x[: int(lx)], y[: int(ly)]
         first_diff.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))))
-    same = [a == c for a, c in zip(common.decode_responses(b.tok, ours)[1], common.decode_responses(b.tok, plain)[1])]
+    same = [a == c for a, c in zip(engine.decode_responses(b.tok, ours)[1], engine.decode_responses(b.tok, plain)[1])]
 
-    def logprob_error(ro: common.Rollout) -> dict[str, float]:
-        with torch.no_grad(), common.autocast_ctx(b.device):
-            lp, _, _ = common.PolicyForward(b.lm)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1])
+    def logprob_error(ro: engine.Rollout) -> dict[str, float]:
+        with torch.no_grad(), runtime.autocast_ctx(b.device):
+            lp, _, _ = engine.PolicyForward(b.lm)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1])
         d = (ro.logprobs - lp).abs() * ro.response_mask
         return {"mean": (d.sum() / ro.response_mask.sum()).item(), "max": d.max().item()}
 
-    u = common.step_uniforms(0, 0, 0, n, T, b.device)
-    s_ours = common.generate(b.lm, prompts, engine="static", uniforms=u, **kw)
-    s_plain = common.generate(b.lm, prompts, engine="hf", uniforms=u, **kw)
+    u = engine.step_uniforms(0, 0, 0, n, T, b.device)
+    s_ours = engine.generate(b.lm, prompts, backend="static", uniforms=u, **kw)
+    s_plain = engine.generate(b.lm, prompts, backend="hf", uniforms=u, **kw)
     same_sampled = [
-        a == c for a, c in zip(common.decode_responses(b.tok, s_ours)[1], common.decode_responses(b.tok, s_plain)[1])
+        a == c for a, c in zip(engine.decode_responses(b.tok, s_ours)[1], engine.decode_responses(b.tok, s_plain)[1])
     ]
     return {
         "rows": n,
@@ -316,26 +318,26 @@ def section_generate(b: Bench) -> dict[str, Any]:
     """Tokens/s at a fixed length: the engine (graph + compile, graph only) and generate()'s dynamic cache."""
     B, T = b.args.batch, b.args.new_tokens
     prompts = b.prompts(B)
-    u = common.step_uniforms(0, 0, 0, B, T, b.device)
+    u = engine.step_uniforms(0, 0, 0, B, T, b.device)
     out: dict[str, Any] = {"batch": B, "new_tokens": T, "mean_prompt_tokens": sum(map(len, prompts)) / B}
     variants = [("engine", {})]
     if b.cuda:
         variants.append(("engine_no_compile", {"compile": False}))
     for name, opts in variants:
         b.reset_peak()
-        engine = common.StaticEngine(b.lm, **opts)
-        run = lambda e=engine: e.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=b.pad, uniforms=u)  # noqa: E731
+        eng = engine.StaticEngine(b.lm, **opts)
+        run = lambda e=eng: e.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=b.pad, uniforms=u)  # noqa: E731
         first_s, ro = b.timed(run)
         assert int(ro.lengths.sum()) == B * T
         times = [b.timed(run)[0] for _ in range(b.args.reps)]
         out[name] = {
             "first_call_s": first_s,
-            "capture_and_compile_s": engine.compile_seconds,
+            "capture_and_compile_s": eng.compile_seconds,
             "seconds": _median(times),
             "tokens_per_s": B * T / _median(times),
             "peak_gib": b.peak_gib(),
         }
-        del engine, ro
+        del eng, ro
         b.save()
     out["hf_dynamic"] = _hf_generate(b, prompts, T, static=False)
     return out
@@ -348,7 +350,7 @@ def _hf_model(b: Bench) -> torch.nn.Module:
 
 def _hf_generate(b: Bench, prompts: list[list[int]], T: int, static: bool) -> dict[str, Any]:
     hf = _hf_model(b)
-    ids, mask = common.left_pad(prompts, b.pad)
+    ids, mask = engine.left_pad(prompts, b.pad)
     ids, mask = ids.to(b.device), mask.to(b.device)
     extra = {"cache_implementation": "static"} if static else {}
 
@@ -398,8 +400,8 @@ def section_eval(b: Bench) -> dict[str, Any]:
         show_progress=False,
     )
     b.reset_peak()
-    cold_s, res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, engine="static", **kw))
-    warm_s, res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, engine="static", **kw))
+    cold_s, res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, backend="static", **kw))
+    warm_s, res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, backend="static", **kw))
     out = {
         "problems": len(problems),
         "batch_size": b.args.eval_batch_size,
@@ -413,7 +415,7 @@ def section_eval(b: Bench) -> dict[str, Any]:
     }
     if b.args.hf_eval:
         b.reset_peak()
-        hf_s, hf_res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, engine="hf", **kw))
+        hf_s, hf_res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, backend="hf", **kw))
         out.update(hf_s=hf_s, hf_accuracy=hf_res["accuracy"], hf_peak_gib=b.peak_gib())
     return out
 
@@ -514,7 +516,7 @@ def run_trl(b: Bench) -> dict[str, Any]:
         b.lm.save_pretrained(model_dir)
         b.tok.save_pretrained(model_dir)
     else:
-        model_dir = Path(common.resolve_model(b.model_name))
+        model_dir = Path(runtime.resolve_model(b.model_name))
     out_json = Path(a.work_dir) / "trl.json"
     cmd = [sys.executable, "bench/trl_grpo.py", "--model-dir", str(model_dir), "--out", str(out_json)]
     cmd += ["--device", b.device.type, "--prompts", str(a.grpo_prompts), "--generations", str(a.group)]
@@ -542,7 +544,7 @@ def section_train(b: Bench) -> dict[str, Any]:
     a = b.args
     rows, T = a.train_rows, a.new_tokens
     prompts = b.prompts(rows)
-    ids, mask = common.left_pad(prompts, b.pad)
+    ids, mask = engine.left_pad(prompts, b.pad)
     g = torch.Generator().manual_seed(0)
     resp = torch.randint(3, len(b.tok) - 1, (rows, T), generator=g)
     input_ids = torch.cat([ids, resp], 1).to(b.device)
@@ -551,11 +553,11 @@ def section_train(b: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": rows, "tokens_per_forward": tokens}
     variants = [("eager", False)] + ([("compiled", True)] if a.train_compile else [])
     for name, compile_ in variants:
-        model = common.PolicyForward(b.lm, compile=compile_)
+        model = engine.PolicyForward(b.lm, compile=compile_)
         b.lm.train()
 
-        def step(model: common.PolicyForward = model) -> None:
-            with common.autocast_ctx(b.device):
+        def step(model: engine.PolicyForward = model) -> None:
+            with runtime.autocast_ctx(b.device):
                 logp, _, _ = model(input_ids, attn, ids.shape[1])
             logp.sum().backward()
             b.lm.zero_grad(set_to_none=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # import common, critics from the repository root
+sys.path.insert(0, str(ROOT))  # import common, engine, runtime, critics from the repository root
 os.environ.setdefault("GSM8K_DIR", str(ROOT / ".." / "shared" / "data" / "gsm8k"))
 
 
@@ -21,6 +21,6 @@ def gsm8k_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    import common
+    import runtime
 
-    return common.load_tokenizer(common.TINY_MODEL)
+    return runtime.load_tokenizer(runtime.TINY_MODEL)

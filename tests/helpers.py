@@ -110,12 +110,12 @@ def run_here(script: str, args: list[str]) -> subprocess.CompletedProcess:
     to import torch and transformers. For runs that must succeed; bad input goes through run_trainer, whose
     fresh process shows every warning a user would see on stderr.
     """
-    import common
+    import runtime
 
     out, err, rc = io.StringIO(), io.StringIO(), 0
     with as_trainer(script, args) as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            common.run_main(module.main)
+            runtime.run_main(module.main)
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
         except Exception:
@@ -178,10 +178,10 @@ def check_results(run_dir: Path, steps: int) -> dict:
 
 def check_checkpoint(run_dir: Path, step: int) -> None:
     """run_dir's checkpoint matches its manifest and was saved at `step`."""
-    import common
+    import runtime
 
-    ckpt = Path(run_dir) / common.CHECKPOINT
-    common.verify_checkpoint(ckpt)
+    ckpt = Path(run_dir) / runtime.CHECKPOINT
+    runtime.verify_checkpoint(ckpt)
     assert json.loads((ckpt / "state.json").read_text())["counters"]["step"] == step
     assert (ckpt / "policy" / "model.safetensors").is_file()
 

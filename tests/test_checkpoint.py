@@ -24,7 +24,8 @@ from helpers import (
     wait_for_first_step,
 )
 
-import common
+import engine
+import runtime
 from critics import build_critic
 
 # One step on the toy task with a large learning rate: the policy, critic and optimizer state all move.
@@ -51,13 +52,13 @@ def copy_run(src: Path, tmp_path: Path) -> Path:
 
 
 def tiny_training_state(seed: int = 0):
-    tok = common.load_tokenizer("tiny")
-    policy = common.load_model("tiny", tok, seed=seed)
+    tok = runtime.load_tokenizer("tiny")
+    policy = runtime.load_model("tiny", tok, seed=seed)
     critic = build_critic("small", policy.config.hidden_size)
     opt = torch.optim.AdamW([{"params": policy.parameters()}, {"params": critic.parameters()}], lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ids = torch.randint(3, 1000, (2, 6), generator=torch.Generator().manual_seed(seed))
-    lp, _, values = common.PolicyForward(policy, critic)(ids, torch.ones_like(ids), 3)
+    lp, _, values = engine.PolicyForward(policy, critic)(ids, torch.ones_like(ids), 3)
     (lp.sum() + values.pow(2).sum() - values.sum()).backward()
     opt.step()
     sched.step()
@@ -66,7 +67,7 @@ def tiny_training_state(seed: int = 0):
 
 def save(run_dir: Path, state, step: int) -> Path:
     tok, policy, critic, opt, sched = state
-    return common.save_checkpoint(
+    return runtime.save_checkpoint(
         run_dir,
         policy=policy,
         tokenizer=tok,
@@ -85,14 +86,14 @@ def test_save_is_atomic_and_the_policy_loads_with_transformers(tmp_path):
     tok, policy = state[0], state[1]
     for step in (1, 2):  # the second save replaces the first
         path = save(tmp_path, state, step)
-        assert path == tmp_path / common.CHECKPOINT
-        assert sorted(p.name for p in tmp_path.iterdir()) == [common.CHECKPOINT], "a temporary folder was left"
+        assert path == tmp_path / runtime.CHECKPOINT
+        assert sorted(p.name for p in tmp_path.iterdir()) == [runtime.CHECKPOINT], "a temporary folder was left"
         assert json.loads((path / "state.json").read_text())["counters"]["step"] == step
     manifest = json.loads((path / "manifest.json").read_text())
     files = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
     assert set(manifest) == files - {"manifest.json"}
     assert {"policy/model.safetensors", "critic.safetensors", "optimizer.pt", "state.json", "args.json"} <= files
-    common.verify_checkpoint(path)
+    runtime.verify_checkpoint(path)
 
     loaded = AutoModelForCausalLM.from_pretrained(path / "policy").eval()
     ids = torch.randint(3, len(tok), (2, 10), generator=torch.Generator().manual_seed(1))
@@ -113,11 +114,11 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save(tmp_path, state, 2)
     assert tree_digest(path) == before
-    common.verify_checkpoint(path)
+    runtime.verify_checkpoint(path)
 
 
 def test_every_pt_file_loads_with_weights_only(finished_run):
-    pt_files = sorted((finished_run / common.CHECKPOINT).rglob("*.pt"))
+    pt_files = sorted((finished_run / runtime.CHECKPOINT).rglob("*.pt"))
     assert {p.name for p in pt_files} >= {"optimizer.pt", "scheduler.pt", "rng.pt"}
     for p in pt_files:
         torch.load(p, weights_only=True)
@@ -145,7 +146,7 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_checkpoint_is_refused_and_left_in_place(finished_run, tmp_path, damage):
     run_dir = copy_run(finished_run, tmp_path)
-    ckpt = run_dir / common.CHECKPOINT
+    ckpt = run_dir / runtime.CHECKPOINT
     DAMAGE[damage](ckpt)
     before = tree_digest(run_dir)
     line = check_one_error_line(run_trainer("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
@@ -210,7 +211,7 @@ RESUME_RUN = dict(task="toy", critic="small", lr=1e-3, total_steps=4, batch_size
 def load_final(run_dir: Path) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
-    ckpt = run_dir / common.CHECKPOINT
+    ckpt = run_dir / runtime.CHECKPOINT
     return load_file(ckpt / "policy" / "model.safetensors"), load_file(ckpt / "critic.safetensors")
 
 
@@ -229,8 +230,8 @@ def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
                 proc.kill()
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
-    stopped_at = json.loads((split / common.CHECKPOINT / "state.json").read_text())["counters"]["step"]
-    assert f"stopped by SIGTERM after step {stopped_at}; checkpoint in {split / common.CHECKPOINT}" in out, out[-3000:]
+    stopped_at = json.loads((split / runtime.CHECKPOINT / "state.json").read_text())["counters"]["step"]
+    assert f"stopped by SIGTERM after step {stopped_at}; checkpoint in {split / runtime.CHECKPOINT}" in out, out[-3000:]
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert not (split / "results.json").exists()
 
@@ -243,8 +244,8 @@ def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
     for k in crit_a:
         assert torch.equal(crit_a[k], crit_b[k]), f"critic {k} differs after resume"
     # and the runs were not trivial: the policy moved from its init, the critic from its zero output layer
-    tok = common.load_tokenizer("tiny")
-    init = common.load_model("tiny", tok, seed=1).state_dict()
+    tok = runtime.load_tokenizer("tiny")
+    init = runtime.load_model("tiny", tok, seed=1).state_dict()
     assert any(not torch.equal(init[k], pol_a[k]) for k in pol_a)
     assert crit_a["out.weight"].abs().sum() > 0
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import common
+import engine
+import runtime
 from critics import HEAD_WIDTHS, build_critic
 
 # The table in critics.py's docstring, copied as numbers; the tests below recompute each from the shapes.
@@ -25,7 +26,7 @@ def llama_trunk_params(vocab: int, H: int, inter: int, layers: int, heads: int, 
 
 
 SMOLLM2_135M = dict(vocab=49152, H=576, inter=1536, layers=30, heads=9, kv_heads=3, head_dim=64)
-TINY = dict(vocab=49152, H=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16)  # common.tiny_config
+TINY = dict(vocab=49152, H=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16)  # runtime.tiny_config
 
 
 def _policy_on_meta(spec):
@@ -46,7 +47,7 @@ def _policy_on_meta(spec):
 
 @pytest.mark.parametrize("H", [64, 576])
 def test_head_parameter_counts(H):
-    counts = {name: common.count_params(build_critic(name, H)) for name in ("none", "small", "medium", "large")}
+    counts = {name: runtime.count_params(build_critic(name, H)) for name in ("none", "small", "medium", "large")}
     for name in ("small", "medium", "large"):
         assert counts[name] == mlp_params(H, HEAD_WIDTHS[name]) == DOCSTRING_TABLE[H][name]
     assert counts["none"] == 0 == DOCSTRING_TABLE[H]["none"]
@@ -59,8 +60,8 @@ def test_full_critic_parameter_count(spec):
     policy = _policy_on_meta(spec)
     critic = build_critic("full", spec["H"], policy)
     expected = llama_trunk_params(**spec) + spec["H"] + 1  # the trunk and a Linear(H, 1) head
-    assert common.count_params(critic) == expected == DOCSTRING_TABLE[spec["H"]]["full"]
-    assert common.count_params(critic) > common.count_params(build_critic("large", spec["H"]))
+    assert runtime.count_params(critic) == expected == DOCSTRING_TABLE[spec["H"]]["full"]
+    assert runtime.count_params(critic) > runtime.count_params(build_critic("large", spec["H"]))
 
 
 @pytest.mark.parametrize("name", ["small", "medium", "large"])
@@ -77,7 +78,7 @@ def test_heads_output_shape_and_start_at_zero(name):
 
 @pytest.fixture(scope="module")
 def tiny_policy(tiny_tokenizer):
-    return common.load_model(common.TINY_MODEL, tiny_tokenizer, seed=0)
+    return runtime.load_model(runtime.TINY_MODEL, tiny_tokenizer, seed=0)
 
 
 def test_full_critic_is_a_separate_copy(tiny_policy):
@@ -104,7 +105,7 @@ def test_full_critic_output(tiny_policy):
     critic = build_critic("full", tiny_policy.config.hidden_size, tiny_policy)
     ids = torch.randint(0, 100, (2, 5))
     mask = torch.ones_like(ids)
-    values = critic(input_ids=ids, attention_mask=mask, position_ids=common.position_ids_from_mask(mask))
+    values = critic(input_ids=ids, attention_mask=mask, position_ids=engine.position_ids_from_mask(mask))
     assert values.shape == (2, 5)
     assert torch.all(values == 0)
 

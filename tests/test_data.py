@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 import common
+import runtime
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +73,14 @@ def _write(folder, train_lines, test_lines=(GOOD,)):
 def test_malformed_line_names_file_and_line(tmp_path, bad):
     # the bad row is on line 4 of the file (a blank line 3 is skipped but still counted)
     _write(tmp_path, [GOOD, GOOD, "", bad, GOOD])
-    with pytest.raises(common.UserError) as e:
+    with pytest.raises(runtime.UserError) as e:
         common.load_gsm8k(str(tmp_path), val_size=1)
     assert f"{tmp_path / 'train.jsonl'}:4:" in str(e.value)
 
 
 def test_malformed_test_line(tmp_path):
     _write(tmp_path, [GOOD, GOOD], [GOOD, "not json"])
-    with pytest.raises(common.UserError, match=r"test\.jsonl:2:"):
+    with pytest.raises(runtime.UserError, match=r"test\.jsonl:2:"):
         common.load_gsm8k(str(tmp_path), val_size=1)
 
 
@@ -91,14 +92,14 @@ def test_small_folder_loads(tmp_path):
 
 
 def test_missing_folder(tmp_path):
-    with pytest.raises(common.UserError, match="does not exist"):
+    with pytest.raises(runtime.UserError, match="does not exist"):
         common.load_gsm8k(str(tmp_path / "nowhere"))
 
 
 def test_missing_file(tmp_path):
     _write(tmp_path, [GOOD, GOOD])
     (tmp_path / "test.jsonl").unlink()
-    with pytest.raises(common.UserError, match="test.jsonl"):
+    with pytest.raises(runtime.UserError, match="test.jsonl"):
         common.load_gsm8k(str(tmp_path), val_size=1)
 
 
@@ -106,13 +107,13 @@ def test_missing_file(tmp_path):
 def test_empty_split(tmp_path, which):
     _write(tmp_path, [GOOD, GOOD], [GOOD])
     (tmp_path / f"{which}.jsonl").write_text("\n\n")
-    with pytest.raises(common.UserError, match=which):
+    with pytest.raises(runtime.UserError, match=which):
         common.load_gsm8k(str(tmp_path), val_size=0)
 
 
 def test_val_size_too_large(tmp_path):
     _write(tmp_path, [GOOD, GOOD])
-    with pytest.raises(common.UserError, match="val-size"):
+    with pytest.raises(runtime.UserError, match="val-size"):
         common.load_gsm8k(str(tmp_path), val_size=2)
 
 

@@ -31,6 +31,7 @@ import torch
 from helpers import REPO, check_ok, cli, command, trainer_env, wait_for_first_step
 
 import common
+import runtime
 
 # Small enough that a torchrun of two steps takes about ten seconds on two cores (mostly startup).
 BASE = {
@@ -166,7 +167,7 @@ def as_ranks(script: str, args: list[str], world: int = 2, timeout: float = 120)
 def weights(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    ckpt = Path(run_dir) / common.CHECKPOINT
+    ckpt = Path(run_dir) / runtime.CHECKPOINT
     out = {"policy": load_file(ckpt / "policy" / "model.safetensors")}
     if (ckpt / "critic.safetensors").is_file():
         out["critic"] = load_file(ckpt / "critic.safetensors")
@@ -184,7 +185,7 @@ def assert_same_weights(one: Path, two: Path, seed: int = 1) -> None:
             diff = (a[part][k] - b[part][k]).abs().max().item()
             scale = a[part][k].abs().max().clamp(min=1e-12).item()
             assert diff <= REL_TOL * scale, f"{part} {k}: max |one - two| = {diff:.3g}, max |one| = {scale:.3g}"
-    init = common.load_model("tiny", common.load_tokenizer("tiny"), seed=seed).state_dict()
+    init = runtime.load_model("tiny", runtime.load_tokenizer("tiny"), seed=seed).state_dict()
     moved = max((a["policy"][k] - init[k]).abs().max().item() for k in a["policy"])
     differ = max((a["policy"][k] - b["policy"][k]).abs().max().item() for k in a["policy"])
     assert moved > 1e-5 and differ < 1e-2 * moved, (moved, differ)
@@ -249,7 +250,7 @@ def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
         assert res_a[split]["n"] == res_b[split]["n"] == 8
         assert res_a[split]["accuracy"] == res_b[split]["accuracy"]
         assert res_a[split]["samples"] == res_b[split]["samples"]
-    state = json.loads((two / common.CHECKPOINT / "state.json").read_text())
+    state = json.loads((two / runtime.CHECKPOINT / "state.json").read_text())
     assert state["world"] == 2 and state["counters"]["step"] == 2
 
 
@@ -300,12 +301,12 @@ def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, d
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
     check_ok(finish(straight_run))
-    stopped_at = json.loads((split / common.CHECKPOINT / "state.json").read_text())["counters"]["step"]
+    stopped_at = json.loads((split / runtime.CHECKPOINT / "state.json").read_text())["counters"]["step"]
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert f"stopped by a signal on another rank after step {stopped_at}" in out, out[-3000:]
     assert not (split / "results.json").exists()
     assert sorted(p.name for p in split.iterdir() if p.name.startswith(".")) == [], "a temporary folder was left"
-    common.verify_checkpoint(split / common.CHECKPOINT)
+    runtime.verify_checkpoint(split / runtime.CHECKPOINT)
 
     # saved on two ranks, resumed in one process: the same end as the straight run
     check_ok(one_process("ppo.py", flags(split, data_dir, **SIGTERM_RUN, resume=True)))
@@ -337,8 +338,8 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
     for proc in side_by_side(command("ppo.py", flags(one, data_dir, **FSDP_RUN)),
                              torchrun_cmd("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True))):  # fmt: skip
         check_ok(proc)
-    ckpt = two / common.CHECKPOINT
-    common.verify_checkpoint(ckpt)
+    ckpt = two / runtime.CHECKPOINT
+    runtime.verify_checkpoint(ckpt)
     assert {p.name for p in (ckpt / "dcp").iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
     assert not (ckpt / "optimizer.pt").exists(), "the optimizer's shards are in dcp/"
     assert_same_weights(one, two)  # policy/ and critic.safetensors, gathered whole on rank 0

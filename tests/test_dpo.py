@@ -28,6 +28,7 @@ from helpers import (
 )
 
 import common
+import runtime
 
 # Four pairs (offline) or four prompts (online) a step, K = 4 samples of up to 8 tokens, 8 offline prompts.
 DPO_TINY = {
@@ -137,7 +138,7 @@ def test_offline_resume_reuses_the_cached_pairs(dpo_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def tok():
-    return common.load_tokenizer("tiny")
+    return runtime.load_tokenizer("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +201,7 @@ def test_sequence_logprobs_equal_a_direct_computation(dpo_run, tok, train_split)
     run_dir = dpo_run("gold offline sigmoid")
     pairs = read_pairs(run_dir)
     seed = json.loads((run_dir / "results.json").read_text())["args"]["seed"]
-    ref = common.load_model("tiny", tok, seed=seed).eval()
+    ref = runtime.load_model("tiny", tok, seed=seed).eval()
     lengths = {len(p[side]) for p in pairs for side in ("chosen", "rejected")}
     assert len(lengths) > 2, "the test needs responses of several lengths (padding)"
     for p in pairs:
@@ -359,7 +360,7 @@ def test_bad_input_is_one_error_line(tmp_path, case):
     run_dir = tmp_path / "run"
     line = check_one_error_line(run_trainer("dpo.py", cli(run_dir, DPO_TINY, **flags), timeout=120))
     assert named in line
-    assert not (run_dir / "results.json").exists() and not (run_dir / common.CHECKPOINT).exists()
+    assert not (run_dir / "results.json").exists() and not (run_dir / runtime.CHECKPOINT).exists()
 
 
 def test_a_new_run_never_takes_pairs_it_did_not_sample(tmp_path):

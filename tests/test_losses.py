@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import common
+import engine
+import runtime
 
 SHAPES = [(1, 1), (3, 7), (4, 16), (8, 5)]
 
@@ -93,7 +95,7 @@ def test_token_logprobs_from_hidden(N, H, V, chunk, temperature):
     targets[:2] = targets[0]  # a repeated target
     upstream = torch.randn(N)  # an arbitrary gradient arriving at the log-probs
 
-    logp, ent = common.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk)
+    logp, ent = engine.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk)
     (logp * upstream).sum().backward()
     grad_h, grad_w = hidden.grad.clone(), weight.grad.clone()
 
@@ -111,7 +113,7 @@ def test_token_logprobs_from_hidden(N, H, V, chunk, temperature):
     assert not ent.requires_grad
     # also the logits path used elsewhere
     assert torch.allclose(
-        common.token_logprobs_from_logits(h2.detach() @ w2.detach().T, targets, temperature),
+        engine.token_logprobs_from_logits(h2.detach() @ w2.detach().T, targets, temperature),
         ref_logp.detach(),
         atol=1e-5,
     )
@@ -121,7 +123,7 @@ def test_token_logprobs_from_hidden_grad_wrt_hidden_only():
     torch.manual_seed(1)
     hidden, weight = torch.randn(9, 4, requires_grad=True), torch.randn(11, 4)
     targets = torch.randint(0, 11, (9,))
-    common.token_logprobs_from_hidden(hidden, weight, targets, 1.0, 4)[0].sum().backward()
+    engine.token_logprobs_from_hidden(hidden, weight, targets, 1.0, 4)[0].sum().backward()
     h2 = hidden.detach().clone().requires_grad_(True)
     torch.log_softmax(h2 @ weight.T, -1)[torch.arange(9), targets].sum().backward()
     assert torch.allclose(hidden.grad, h2.grad, atol=1e-5)
@@ -316,5 +318,5 @@ def test_lr_factor_endpoints(warmup):
 @pytest.mark.parametrize("step", [0, 5, 50])
 def test_lr_factor_unknown_schedule_fails_at_any_step(step):
     # LambdaLR calls the factor at step 0: a mistyped schedule must fail there, not after warmup
-    with pytest.raises(common.UserError, match="lr-schedule"):
+    with pytest.raises(runtime.UserError, match="lr-schedule"):
         common.lr_factor(step, 10, 100, "cosin")

@@ -23,6 +23,7 @@ from helpers import (
 )
 
 import common
+import runtime
 from critics import CRITICS
 
 # Trainable critic parameters at the tiny model's hidden size 64 (the table in critics.py).
@@ -53,8 +54,8 @@ def test_each_critic_runs_two_steps_with_the_mc_measurement(tmp_path, critic):
         assert r["mc/tokens"] > 0 and r["mc/value/n"] > 2  # the prompts and states inside the completions
         assert (r["vf_loss"] is None) == (critic == "none")
 
-    ckpt = run_dir / common.CHECKPOINT
-    common.verify_checkpoint(ckpt)
+    ckpt = run_dir / runtime.CHECKPOINT
+    runtime.verify_checkpoint(ckpt)
     assert json.loads((ckpt / "state.json").read_text())["counters"]["step"] == 2
     assert (ckpt / "critic.safetensors").is_file() == (critic != "none")
 
@@ -124,11 +125,11 @@ def test_cpu_scale_leaves_flags_given_on_the_command_line():
     from ppo import CPU_SCALE, Args
 
     args = Args(num_minibatches=4, batch_size=6)
-    changed = common.apply_cpu_scale(args, torch.device("cpu"), CPU_SCALE, argv=["--num-minibatches", "4"])
+    changed = runtime.apply_cpu_scale(args, torch.device("cpu"), CPU_SCALE, argv=["--num-minibatches", "4"])
     assert args.num_minibatches == 4 and not any(c.startswith("num_minibatches") for c in changed)
     assert args.batch_size == 6  # not a default: kept
     assert args.max_new_tokens == CPU_SCALE["max_new_tokens"]  # left at its default: scaled
-    assert common.apply_cpu_scale(Args(scale="study"), torch.device("cpu"), CPU_SCALE, argv=[]) == []
+    assert runtime.apply_cpu_scale(Args(scale="study"), torch.device("cpu"), CPU_SCALE, argv=[]) == []
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ import copy
 import pytest
 
 import common
+import engine
+import runtime
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 
@@ -26,7 +28,7 @@ def test_chat_prompt_is_the_chat_template(tiny_tokenizer):
 def test_no_chat_template_needs_plain(tiny_tokenizer):
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = None
-    with pytest.raises(common.UserError, match="plain"):
+    with pytest.raises(runtime.UserError, match="plain"):
         common.encode_prompt(tok, QUESTION)
     ids = common.encode_prompt(tok, QUESTION, prompt_format="plain")
     text = tok.decode(ids)
@@ -36,7 +38,7 @@ def test_no_chat_template_needs_plain(tiny_tokenizer):
 
 
 def test_unknown_prompt_format(tiny_tokenizer):
-    with pytest.raises(common.UserError, match="prompt-format"):
+    with pytest.raises(runtime.UserError, match="prompt-format"):
         common.encode_prompt(tiny_tokenizer, QUESTION, prompt_format="fewshot")
 
 
@@ -52,24 +54,24 @@ def test_training_and_evaluation_feed_identical_token_ids(tmp_path, monkeypatch,
     from test_ppo import run_ppo_in_process
 
     fed: list[list[list[int]]] = []
-    real_generate = common.generate
+    real_generate = engine.generate
 
     def watched(model, prompts, **kw):
         fed.append([list(p) for p in prompts])
         return real_generate(model, prompts, **kw)
 
-    monkeypatch.setattr(common, "generate", watched)
+    monkeypatch.setattr(engine, "generate", watched)
     run_ppo_in_process(
         cli(tmp_path / "run", total_steps=1, batch_size=2, mc_every=0, eval_size=2, test_size=2), monkeypatch
     )
     training_prompt = fed[0][0]  # the first rollout of the first step
 
-    tok = common.load_tokenizer("tiny")
+    tok = runtime.load_tokenizer("tiny")
     train = common.load_gsm8k(str(gsm8k_dir))["train"]
     text = tok.decode(training_prompt)
     problem = next(p for p in train if p.question.strip() in text)
     fed.clear()
-    model = common.load_model("tiny", tok)
+    model = runtime.load_model("tiny", tok)
     common.evaluate(model, tok, [problem], task="gsm8k", prompt_format="chat", max_new_tokens=2, batch_size=1)
     assert fed == [[training_prompt]]
     assert "<|im_start|>assistant" in text and common.INSTRUCTION in text

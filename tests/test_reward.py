@@ -5,6 +5,7 @@ import time
 import pytest
 
 import common
+import runtime
 
 # normalize_number: text -> canonical string, worked out by hand.
 NORMALIZE = [
@@ -135,7 +136,7 @@ def test_extract_final_answer(text, expected):
 def test_score_dispatch():
     assert common.score("gsm8k", ["#### 5", "5"], [[1], [2]], ["5", "5"]) == [1.0, 0.0]
     assert common.score("toy", ["", ""], [[1, 2, 32], [1, 2, 3]], ["", ""]) == [1.0, 0.0]
-    with pytest.raises(common.UserError):
+    with pytest.raises(runtime.UserError):
         common.score("chess", [""], [[1]], [""])
 
 

