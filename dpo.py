@@ -193,10 +193,10 @@ def main() -> None:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False)  # DPO's baseline: the log-ratio to this model
     critic = None  # DPO has no critic
-    model = engine.PolicyForward(policy, compile=args.compile)
-    ref_model = engine.PolicyForward(ref, compile=args.compile)
-    ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
-    actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
+    policy_fwd = engine.PolicyForward(policy, compile=args.compile)
+    ref_fwd = engine.PolicyForward(ref, compile=args.compile)
+    policy_ddp = runtime.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
+    policy_full = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     opt_steps = args.total_steps * args.update_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -244,7 +244,7 @@ def main() -> None:
     def run_eval(split: str, size: int) -> dict:
         problems = splits[split][: size or None]
         res = common.evaluate(
-            actor.get(),
+            policy_full.get(),
             tokenizer,
             problems,
             task=args.task,
@@ -270,7 +270,7 @@ def main() -> None:
             args=args_dict,
         )
 
-    def sample_pairs(idx: list[int], first: int, n_global: int, step: int, stream: int, gen_model) -> tuple:
+    def sample_pairs(idx: list[int], first: int, n_global: int, step: int, stream: int, lm) -> tuple:
         """This rank's prompts idx (global positions first.. of n_global) -> (pairs, stats). K samples per
         prompt, scored by the shared reward; a pair is (chosen, rejected) token ids; prompts without one count."""
         k = args.samples_per_prompt
@@ -278,7 +278,7 @@ def main() -> None:
             return [], [0.0, 0.0, 0.0, 0.0]
         u = engine.step_uniforms(args.seed, step, stream, n_global * k, args.max_new_tokens, device)
         ro = engine.generate(
-            gen_model,
+            lm,
             [prompt_ids(i) for i in idx for _ in range(k)],
             max_new_tokens=args.max_new_tokens,
             eos_id=eos,
@@ -319,7 +319,7 @@ def main() -> None:
         """DPO's baseline, computed once per pair with the frozen reference, in micro-batches."""
         with torch.no_grad(), ctx:
             for s in range(0, len(pairs), micro):
-                c, r = seq_logps(ref_model, pairs[s : s + micro])
+                c, r = seq_logps(ref_fwd, pairs[s : s + micro])
                 for p, rc, rr in zip(pairs[s : s + micro], c.tolist(), r.tolist()):
                     p["ref_chosen"], p["ref_rejected"] = rc, rr
 
@@ -344,14 +344,14 @@ def main() -> None:
         else:
             offline = common.PromptSampler(len(splits["train"]), args.seed + 1).next(args.offline_prompts)
             chunk = args.eval_batch_size * world
-            gen_ref = runtime.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
+            ref_gen = runtime.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
             bar = tqdm(total=len(offline), desc="offline pairs", disable=not (dist_.main and args.progress))
             for start in range(0, len(offline), chunk):
                 part = offline[start : start + chunk]
                 per = -(-len(part) // world)  # the last chunk may leave a rank fewer prompts, or none
                 mine = part[dist_.rank * per : (dist_.rank + 1) * per]
                 # uniforms indexed by the prompt's place in the whole offline list: the same samples on 1 rank or N
-                pairs, stats = sample_pairs(mine, start + dist_.rank * per, len(offline), 0, 10, gen_ref)
+                pairs, stats = sample_pairs(mine, start + dist_.rank * per, len(offline), 0, 10, ref_gen)
                 _, pairs = spread(pairs)  # the same number of reference forwards on every rank
                 reference_logps(pairs)
                 for gathered in runtime.all_gather_objects(pairs):
@@ -361,7 +361,7 @@ def main() -> None:
                 if args.token_budget and pair_stats[3] >= args.token_budget:
                     break
             bar.close()
-            del gen_ref
+            del ref_gen
             counters["generated_tokens"] = int(pair_stats[3])
             if dist_.main:
                 tmp = pairs_path.with_name(".pairs.jsonl.tmp")
@@ -400,7 +400,7 @@ def main() -> None:
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
         if args.online:  # K fresh samples per prompt from the current policy
             batch_idx = sampler.next(args.batch_size)
-            pairs, stats = sample_pairs(batch_idx[lo:hi], lo, args.batch_size, step, 0, actor.get())
+            pairs, stats = sample_pairs(batch_idx[lo:hi], lo, args.batch_size, step, 0, policy_full.get())
             stats = runtime.all_reduce_sum(torch.tensor(stats)).tolist()
         else:  # a batch of the cached pairs
             pairs = [pair_set[i] for i in sampler.next(args.batch_size)[lo:hi]]
@@ -442,9 +442,9 @@ def main() -> None:
             for s in range(0, N, micro):
                 sl = slice(s, s + micro)
                 last_micro = s + micro >= N
-                sync = runtime.no_sync(ddp_model, last_micro)
+                sync = runtime.no_sync(policy_ddp, last_micro)
                 with sync, ctx:
-                    pi_c, pi_r = seq_logps(ddp_model, pairs[sl])
+                    pi_c, pi_r = seq_logps(policy_ddp, pairs[sl])
                     loss_pair, margin = common.dpo_loss(pi_c, pi_r, ref_c[sl], ref_r[sl], args.beta, args.loss)
                     # mean over the step's real pairs on all ranks; DDP averages, so scale by world
                     loss = (loss_pair * weights[sl]).sum() / n_real * world
@@ -534,7 +534,7 @@ def main() -> None:
     if dist_.main:
         results = {
             "method": "dpo",
-            "critic": f"{args.pairs}-{'online' if args.online else 'offline'}",
+            "variant": f"{args.pairs}-{'online' if args.online else 'offline'}",
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,

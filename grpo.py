@@ -211,10 +211,10 @@ def main() -> None:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
     critic = None  # GRPO has no critic: the group is the baseline
-    model = engine.PolicyForward(policy, compile=args.compile)
-    ref_model = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
-    actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
+    policy_fwd = engine.PolicyForward(policy, compile=args.compile)
+    ref_fwd = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
+    policy_ddp = runtime.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
+    policy_full = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
     opt_steps = args.total_steps * args.update_epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -263,7 +263,7 @@ def main() -> None:
     def run_eval(split: str, size: int) -> dict:
         problems = splits[split][: size or None]
         res = common.evaluate(
-            actor.get(),
+            policy_full.get(),
             tokenizer,
             problems,
             task=args.task,
@@ -307,9 +307,9 @@ def main() -> None:
         uniforms = engine.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
         uniforms = uniforms[lo * args.group_size : hi * args.group_size]
         prompts = [prompt_ids(i) for i in local_idx]
-        gen = actor.get()  # the policy with whole weights
+        policy_gen = policy_full.get()  # the policy with whole weights
         ro = engine.generate(
-            gen,
+            policy_gen,
             prompts,
             max_new_tokens=args.max_new_tokens,
             eos_id=eos,
@@ -326,10 +326,10 @@ def main() -> None:
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
             for rows in engine.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
-                if ref_model is not None:
-                    ref_logp[rows] = ref_model(input_ids[rows], attn[rows], P, args.temperature)[0]
+                if ref_fwd is not None:
+                    ref_logp[rows] = ref_fwd(input_ids[rows], attn[rows], P, args.temperature)[0]
                 if args.recompute_logprobs:
-                    old_logp[rows] = model(input_ids[rows], attn[rows], P, args.temperature)[0]
+                    old_logp[rows] = policy_fwd(input_ids[rows], attn[rows], P, args.temperature)[0]
 
         # ==================================================================================================
         # reward
@@ -357,7 +357,7 @@ def main() -> None:
             mc_u = engine.step_uniforms(args.seed, step, 1, args.mc_prompts * k, args.max_new_tokens, device)
             mc_u = mc_u[dist_.rank * n_meas * k : (dist_.rank + 1) * n_meas * k]
             p_hat, mc_tok = common.mc_values(
-                gen,
+                policy_gen,
                 tokenizer,
                 [prompts[r] for r in rows],
                 [[] for _ in rows],
@@ -404,9 +404,9 @@ def main() -> None:
                 for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
                     last_micro = j == len(micro_batches) - 1
-                    sync = runtime.no_sync(ddp_model, last_micro)
+                    sync = runtime.no_sync(policy_ddp, last_micro)
                     with sync, ctx:
-                        logp, entropy, _ = ddp_model(input_ids[rows], attn[rows], P, args.temperature)
+                        logp, entropy, _ = policy_ddp(input_ids[rows], attn[rows], P, args.temperature)
                         pg_loss, clipped = common.clipped_surrogate(
                             logp, old_logp[rows], advantages[rows], args.clip_eps, args.clip_eps_high
                         )
@@ -517,7 +517,7 @@ def main() -> None:
     if dist_.main:
         results = {
             "method": "grpo",
-            "critic": "group",
+            "variant": "group",
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,

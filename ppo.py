@@ -73,7 +73,7 @@ class Args:
     # --- rollout ---
     batch_size: int = 512
     """prompts per step, over all ranks"""
-    rollouts_per_prompt: int = 1
+    group_size: int = 1
     """completions per prompt; 1 is the point of a critic: PPO needs no group"""
     max_new_tokens: int = 256
     """longest completion, in tokens"""
@@ -190,7 +190,7 @@ def main() -> None:
         )
     if args.kl_mode not in ("loss", "reward"):
         raise runtime.UserError(f"unknown --kl-mode {args.kl_mode!r}: use loss or reward")
-    n_rollouts = args.batch_size * args.rollouts_per_prompt  # completions per step, over all ranks
+    n_rollouts = args.batch_size * args.group_size  # completions per step, over all ranks
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     local_rollouts = n_rollouts // world
     runtime.check_divides("completions per rank", local_rollouts, args.num_minibatches, "--num-minibatches")
@@ -226,10 +226,10 @@ def main() -> None:
         torch.manual_seed(args.seed)
         critic = build_critic(args.critic, policy.config.hidden_size, policy)
     critic = critic.to(home) if critic is not None else None
-    model = engine.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
-    ref_model = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
-    actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
+    policy_fwd = engine.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
+    ref_fwd = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
+    policy_ddp = runtime.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
+    policy_full = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": args.critic_lr})
@@ -264,7 +264,7 @@ def main() -> None:
                     "critic": f"{args.critic} ({runtime.count_params(critic):,} trainable parameters)",
                     "data": f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
                     f" ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
-                    "batch": f"{n_rollouts} completions/step = {args.batch_size} prompts x {args.rollouts_per_prompt}; "
+                    "batch": f"{n_rollouts} completions/step = {args.batch_size} prompts x {args.group_size}; "
                     f"{args.num_minibatches} minibatches x {args.update_epochs} epochs",
                     "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
                 },
@@ -281,7 +281,7 @@ def main() -> None:
     def run_eval(split: str, size: int) -> dict:
         problems = splits[split][: size or None]
         res = common.evaluate(
-            actor.get(),
+            policy_full.get(),
             tokenizer,
             problems,
             task=args.task,
@@ -319,13 +319,13 @@ def main() -> None:
         # ==================================================================================================
         batch_idx = sampler.next(args.batch_size)  # the global batch; this rank takes its contiguous share
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
-        local_idx = [i for i in batch_idx[lo:hi] for _ in range(args.rollouts_per_prompt)]
+        local_idx = [i for i in batch_idx[lo:hi] for _ in range(args.group_size)]
         uniforms = engine.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
-        uniforms = uniforms[lo * args.rollouts_per_prompt : hi * args.rollouts_per_prompt]
+        uniforms = uniforms[lo * args.group_size : hi * args.group_size]
         prompts = [prompt_ids(i) for i in local_idx]
-        gen = actor.get()  # the policy with whole weights
+        policy_gen = policy_full.get()  # the policy with whole weights
         ro = engine.generate(
-            gen,
+            policy_gen,
             prompts,
             max_new_tokens=args.max_new_tokens,
             eos_id=eos,
@@ -344,10 +344,10 @@ def main() -> None:
             ref_logp = torch.zeros_like(old_logp)
             old_values = torch.zeros_like(old_logp)
             for rows in engine.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
-                if ref_model is not None:
-                    ref_logp[rows] = ref_model(input_ids[rows], attn[rows], P, args.temperature)[0]
+                if ref_fwd is not None:
+                    ref_logp[rows] = ref_fwd(input_ids[rows], attn[rows], P, args.temperature)[0]
                 if args.recompute_logprobs:  # the training forward: log-probs, and a full critic's values with them
-                    old_logp[rows], _, v = model(input_ids[rows], attn[rows], P, args.temperature)
+                    old_logp[rows], _, v = policy_fwd(input_ids[rows], attn[rows], P, args.temperature)
                     if critic is not None and critic.needs_trunk:
                         old_values[rows] = v
                 elif critic is not None and critic.needs_trunk:  # the full critic's trunk alone
@@ -387,7 +387,7 @@ def main() -> None:
             t_mc = time.time()
             k = args.mc_samples
             measured = common.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
-            rows = [i * args.rollouts_per_prompt for i in measured]  # one completion per measured prompt
+            rows = [i * args.group_size for i in measured]  # one completion per measured prompt
             states = []  # (row, t): each prompt, then mc_states positions inside its completion
             for r in rows:
                 n = int(lengths[r])
@@ -400,7 +400,7 @@ def main() -> None:
             )
             offset = sum(runtime.all_gather_objects(len(states))[: dist_.rank]) * k
             p_hat, mc_tok = common.mc_values(
-                gen,
+                policy_gen,
                 tokenizer,
                 [prompts[r] for r, _ in states],
                 [ids[r][:t] for r, t in states],
@@ -441,7 +441,7 @@ def main() -> None:
         for epoch in range(args.update_epochs):
             # the same global minibatches on one rank or N; this rank holds `minibatch` rows of each
             deal = common.minibatch_rows(
-                B, args.num_minibatches, lo * args.rollouts_per_prompt, n_rollouts, args.seed * 7 + step * 131 + epoch
+                B, args.num_minibatches, lo * args.group_size, n_rollouts, args.seed * 7 + step * 131 + epoch
             )
             for mb_rows in deal:
                 n_tok = runtime.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
@@ -450,9 +450,9 @@ def main() -> None:
                 for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
                     last_micro = j == len(micro_batches) - 1
-                    sync = runtime.no_sync(ddp_model, last_micro)
+                    sync = runtime.no_sync(policy_ddp, last_micro)
                     with sync, ctx:
-                        logp, entropy, values = ddp_model(input_ids[rows], attn[rows], P, args.temperature)
+                        logp, entropy, values = policy_ddp(input_ids[rows], attn[rows], P, args.temperature)
                         pg_loss, clipped = common.clipped_surrogate(
                             logp, old_logp[rows], advantages[rows], args.clip_eps
                         )
@@ -575,7 +575,7 @@ def main() -> None:
     if dist_.main:
         results = {
             "method": "ppo",
-            "critic": args.critic,
+            "variant": args.critic,
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,

@@ -162,7 +162,7 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
     """One run: its results.json (runtime.read_results: a damaged one is a UserError naming it) and metrics."""
     res = runtime.read_results(run_dir / "results.json")
     try:
-        method, variant, seed = str(res["method"]), str(res["critic"]), int(res["seed"])
+        method, variant, seed = str(res["method"]), str(res.get("variant", res.get("critic"))), int(res["seed"])
         test = res["test"]
         acc, n, (lo, hi) = float(test["accuracy"]), int(test["n"]), test["ci95"]
         gen = int(res["generated_tokens"])

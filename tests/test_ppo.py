@@ -37,7 +37,7 @@ def test_each_critic_runs_two_steps_with_the_mc_measurement(tmp_path, critic):
     check_ok(run_here("ppo.py", cli(run_dir, **flags)))
 
     results = json.loads((run_dir / "results.json").read_text())
-    assert results["steps"] == 2 and results["critic"] == critic
+    assert results["steps"] == 2 and results["variant"] == critic
     assert 0 <= results["test"]["accuracy"] <= 1 and results["test"]["n"] == 8
     lo, hi = results["test"]["ci95"]
     assert 0 <= lo <= results["test"]["accuracy"] <= hi <= 1

@@ -186,7 +186,7 @@ def test_damaged_interrupted_and_failed_runs_on_the_gpu_pool(smoke, tmp_path):
     assert len(named) == 1 and "damaged" in named[0], proc.stderr
     aside = list(damaged.parent.glob("results.json.damaged-*"))
     assert len(aside) == 1 and aside[0].read_text() == '{"method": "dpo", "test": {"accuracy": 0.'
-    assert runtime.read_results(damaged)["critic"] == "gold-online"
+    assert runtime.read_results(damaged)["variant"] == "gold-online"
     # the interrupted run resumed from its checkpoint
     assert re.search(r"labels/dpo-self-online-s1 on GPU \d \(resuming from its checkpoint\)", proc.stdout)
     assert (runs / "dpo-self-online-s1" / "results.json").is_file()
