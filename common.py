@@ -19,7 +19,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -493,10 +493,15 @@ def dpo_loss(
     raise ValueError(f"unknown DPO loss {kind!r}")
 
 
+def lr_schedule(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
+    """The learning-rate multiplier as a function of the optimiser step, for LambdaLR: the choice checked once."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise runtime.UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
+    return lambda step: lr_factor(step, warmup, total, schedule)
+
+
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     """The learning-rate multiplier at an optimiser step: linear warmup, then constant, linear or cosine decay."""
-    if schedule not in ("constant", "linear", "cosine"):  # checked at every step: LambdaLR first calls step 0
-        raise runtime.UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -504,7 +509,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
     if schedule == "linear":
         return 1.0 - frac
-    return 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine
+    return 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine (lr_schedule checked the name)
 
 
 # ======================================================================================================

@@ -14,10 +14,12 @@ import dataclasses
 import datetime
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -27,7 +29,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,8 @@ class UserError(Exception):
 
 
 def run_main(main: Callable[[], Any]) -> None:
-    """Run a trainer's main(): a UserError becomes one line and exit code 2 on every rank."""
+    """Run a trainer's main(): a UserError, a bad flag included (see cli), becomes one line and exit code 2 on
+    every rank."""
     try:
         main()
     except UserError as e:
@@ -56,6 +59,64 @@ def run_main(main: Callable[[], Any]) -> None:
         # ("terminate called without an active exception"): close it while everything is alive
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+T = TypeVar("T")
+
+
+def cli(cls: type[T], cpu: T, args: Sequence[str] | None = None) -> tuple[T, list[str]]:
+    """A trainer's Args from the command line (tyro), its defaults one of two explicit presets: the study's
+    (cls()) or the CPU's (`cpu`). --scale cpu, or --scale auto where --device resolves to the CPU, runs the CPU
+    preset; --scale study the study's; --help shows the one that runs on this machine. A flag given always wins.
+    Returns the args and what the CPU preset changed ("batch_size 512 -> 8"), for the banner and results.json.
+    A bad flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line)."""
+    on_gpu = torch.cuda.is_available()
+    study = cls()
+    first = _tyro_cli(cls, study if on_gpu else cpu, args)  # --help stops here, with this machine's preset
+    second = _tyro_cli(cls, cpu if on_gpu else study, args)
+    at_study, at_cpu = (first, second) if on_gpu else (second, first)
+    device = at_study.device if at_study.device != "auto" else ("cuda" if on_gpu else "cpu")
+    if at_study.scale == "study" or (at_study.scale == "auto" and device.startswith("cuda")):
+        return at_study, []
+    # both parses saw the same flags: a field differs only where it was left to the preset
+    changed = [
+        f"{f.name} {getattr(at_study, f.name)} -> {getattr(at_cpu, f.name)}"
+        for f in dataclasses.fields(cls)
+        if getattr(at_study, f.name) != getattr(at_cpu, f.name)
+    ]
+    return at_cpu, changed
+
+
+def _tyro_cli(cls: type[T], default: T, args: Sequence[str] | None) -> T:
+    import tyro
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            out = tyro.cli(cls, default=default, args=args)
+    except SystemExit as e:
+        if e.code == 2:  # tyro printed an error box and exits 2: its message, as one line
+            raise UserError(_tyro_message(err.getvalue())) from None
+        sys.stderr.write(err.getvalue())
+        raise
+    sys.stderr.write(err.getvalue())  # tyro's warnings, if any
+    return out
+
+
+def _tyro_message(box: str) -> str:
+    """tyro's error box -> its message on one line: the text between the title and the first rule."""
+    box = re.sub(r"\x1b\[[0-9;]*m", "", box)  # colours, if any
+    body: list[str] = []
+    for line in box.splitlines():
+        inner = line.strip().strip("│╭╮╰╯").strip()
+        if not inner or inner.startswith("─"):
+            if body:
+                break
+            continue
+        if line.strip().startswith("│"):
+            body.append(inner)
+    lines = [line.strip() for line in box.splitlines() if line.strip()]
+    return " ".join(body) or (lines[-1] if lines else "bad command line")
 
 
 @dataclass
@@ -107,6 +168,15 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:  # gloo reduces CPU tensors, NCCL CUDA ones (setup_distributed's backends)
         dist.all_reduce(x)
     return x
+
+
+def all_reduce_sums(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """A step's named sums, each summed over ranks: one all_reduce (float64) and one copy to the host per step.
+    Every rank passes the same names."""
+    names = sorted(sums)
+    device = next((v.device for v in sums.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    x = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device).reshape(()) for k in names])
+    return dict(zip(names, all_reduce_sum(x).tolist()))
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
@@ -479,27 +549,6 @@ def _notice_once(message: str) -> None:
 # ======================================================================================================
 # Logging: settings first, metrics.jsonl per step, TensorBoard when installed
 # ======================================================================================================
-
-
-def apply_cpu_scale(
-    args: Any, device: torch.device, overrides: dict[str, Any], argv: Sequence[str] | None = None
-) -> list[str]:
-    """On a machine without a GPU (--scale auto) or with --scale cpu, shrink the settings that were left at
-    their defaults so the same command finishes in minutes; returns what changed, to print at the start.
-    A flag given on the command line (argv, default sys.argv) is never changed, even when it equals the default."""
-    if args.scale == "study" or (args.scale == "auto" and device.type == "cuda"):
-        return []
-    if args.scale not in ("auto", "cpu", "study"):
-        raise UserError(f"unknown --scale {args.scale!r}: use auto, study or cpu")
-    defaults = {f.name: f.default for f in dataclasses.fields(type(args))}
-    argv = sys.argv[1:] if argv is None else argv
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    changed = []
-    for key, value in overrides.items():
-        if key not in given and getattr(args, key) == defaults[key] and value != defaults[key]:
-            setattr(args, key, value)
-            changed.append(f"{key} {defaults[key]} -> {value}")
-    return changed
 
 
 def device_description(device: torch.device, world: int) -> str:
