@@ -180,7 +180,8 @@ CPU_SCALE = dict(
 
 def main() -> None:
     # ==================================================================================================
-    # TRY NOT TO MODIFY: arguments, processes, sizes (the skeleton of ppo.py and grpo.py)
+    # TRY NOT TO MODIFY: arguments, processes, sizes, data. TRY NOT TO MODIFY marks the skeleton that
+    # ppo.py, grpo.py and dpo.py share line for line; ALGO LOGIC marks the method
     # ==================================================================================================
     args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
