@@ -1,8 +1,9 @@
 """The plumbing every trainer needs and no method depends on: errors, processes, models on disk, logs, checkpoints.
 
-Holds: user errors and run_main, distributed setup and its collectives, seeding, the stop signal, DDP/FSDP and
-whole-weight copies, model and tokenizer loading (the packaged GGUF's cache, the tiny test model), the run
-banner, metrics logging and results, checkpoints and the run folder.
+Holds: user errors, run_main and the command line (cli: tyro with a preset as its default), distributed setup
+and its collectives, seeding, the stop signal, DDP/FSDP and whole-weight copies, model and tokenizer loading
+(the packaged GGUF's cache, the tiny test model), the run banner, metrics logging and results, checkpoints and
+the run folder.
 Does not hold: generation or the training forward (engine.py), data, reward, losses or measurement (common.py).
 Nothing here imports another module of this project.
 """
@@ -174,8 +175,10 @@ def all_reduce_sums(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
     """A step's named sums, each summed over ranks: one all_reduce (float64) and one copy to the host per step.
     Every rank passes the same names."""
     names = sorted(sums)
-    device = next((v.device for v in sums.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
-    x = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device).reshape(()) for k in names])
+    # a DTensor (clip_grad_norm_'s norm under FSDP) as a plain tensor; every rank does it, in the same order
+    local = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sums.items()}
+    device = next((v.device for v in local.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    x = torch.stack([torch.as_tensor(local[k], dtype=torch.float64, device=device).reshape(()) for k in names])
     return dict(zip(names, all_reduce_sum(x).tolist()))
 
 
