@@ -217,7 +217,7 @@ def watched_run(name: str, run_dir) -> dict:
     events: list[tuple] = []
     rec: dict = {"events": events, "generate": [], "mc_values": [], "baseline_report": []}
     real = {
-        name: getattr(common, name)
+        name: getattr(engine if name in ("generate", "length_sorted_micro_batches") else common, name)
         for name in (
             "score",
             "generate",
