@@ -363,6 +363,8 @@ def take_lock(path: Path) -> int:
 
 
 class Sweep:
+    """The chosen runs, their states and budgets, and the trainers running now (one per slot)."""
+
     def __init__(self, o: Options, runs: list[Run], smoke: dict[str, list[str]]):
         self.o, self.runs, self.smoke = o, runs, smoke
         self.state: list[str] = []
@@ -583,9 +585,9 @@ def main(argv: list[str]) -> int:
         return report(o)
     runs = make_runs(o, lines)
     s = Sweep(o, runs, smoke)
+    signal.signal(signal.SIGTERM, s.on_signal)  # from here on a signal stops the sweep as it stops the trainers
+    signal.signal(signal.SIGINT, s.on_signal)
     if o.slurm_task is not None:
-        signal.signal(signal.SIGTERM, s.on_signal)
-        signal.signal(signal.SIGINT, s.on_signal)
         return slurm_task(s, o.slurm_task)
     if o.launcher == "torchrun":
         if not o.dry_run and subprocess.run(["sh", "-c", "command -v torchrun"], capture_output=True).returncode:
@@ -628,8 +630,6 @@ def main(argv: list[str]) -> int:
     if o.launcher == "slurm":
         submit_slurm(s)
         return 0
-    signal.signal(signal.SIGTERM, s.on_signal)
-    signal.signal(signal.SIGINT, s.on_signal)
     if o.launcher == "gpus":
         print(f"one run per GPU on GPUs {' '.join(slots)}", flush=True)
     elif len(slots) > 1:
