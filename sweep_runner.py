@@ -323,14 +323,17 @@ def reference(o: Options, run: Run) -> Path:
 
 def holder_of(path: Path) -> str | None:
     """Who holds the lock on path ("a sweep (pid N)", "a trainer (ppo.py, pid N)"), or None when it is free."""
-    if not path.exists():
+    try:
+        f = open(path, "r+") if path.exists() else None  # never creates it
+    except OSError:
+        return None  # unreadable: the trainer itself will say why
+    if f is None:
         return None
-    with open(path, "a+") as f:
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return None  # closing the file releases it
         except BlockingIOError:
-            f.seek(0)
             return describe_holder(f.read())
 
 
