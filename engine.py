@@ -352,8 +352,9 @@ _MM_FP32_OUT: dict[tuple, bool] = {}
 
 
 def matmul_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result: for bf16 inputs the GEMM accumulates in fp32 and writes fp32 (no rounding of
-    the product to bf16) where torch.mm(out_dtype=) runs, else bf16 out then fp32.  [n, k] @ [k, m] -> fp32 [n, m]"""
+    """a @ b of low-precision inputs (bf16) with fp32 accumulation and an fp32 result: no rounding of the
+    product to bf16. torch.mm(out_dtype=float32) where it runs (recent CUDA builds); elsewhere the same
+    numbers from an fp32 GEMM of the (already rounded) inputs.  [n, k] @ [k, m] -> fp32 [n, m]"""
     if a.dtype == torch.float32:
         return a @ b
     key = (a.device.type, a.dtype)
@@ -365,7 +366,7 @@ def matmul_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             _MM_FP32_OUT[key] = False
     if _MM_FP32_OUT[key]:
         return torch.mm(a, b, out_dtype=torch.float32)
-    return (a @ b).float()
+    return a.float() @ b.float()
 
 
 CDF_BLOCK = 256  # tokens per block of the two-level CDF (SmolLM2's 49,152 = 192 blocks)
@@ -913,58 +914,87 @@ def decode_responses(tokenizer: Any, rollout: Rollout) -> tuple[list[str], list[
 class _TokenLogProbs(torch.autograd.Function):
     """log softmax(h W^T / temperature)[target], in chunks: the [N, V] fp32 logits never exist whole.
 
-    The backward recomputes each chunk's logits (grad wrt logits = (onehot - p) * g / temperature).
+    The GEMMs run in `dtype` with fp32 accumulation and fp32 results (matmul_fp32_out): bf16 under a GPU's
+    autocast, as the engine's LM head, so that rollout and training log-probs differ by the trunk's kernels
+    only; the hidden states' own dtype elsewhere (fp32 on the CPU: the same ops as before, bit for bit). The
+    softmax is fp32 either way. The backward recomputes each chunk's logits (grad wrt logits =
+    (onehot - p) * g / temperature); grad_w accumulates in fp32 over the chunks.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):  # [N, H], [V, H], [N]
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, dtype: torch.dtype):  # [N, H], [V, H]
         out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
         ent = torch.empty_like(out)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(hidden.dtype)
+            w = weight.to(dtype)
             for i in range(0, hidden.shape[0], chunk):
-                logits = (hidden[i : i + chunk] @ w.T).float() / temperature  # [n, V]
+                logits = _head_logits(hidden[i : i + chunk], w, dtype) / temperature  # fp32 [n, V]
                 logp = torch.log_softmax(logits, dim=-1)
                 out[i : i + chunk] = logp.gather(-1, targets[i : i + chunk, None]).squeeze(-1)
                 ent[i : i + chunk] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
         ctx.mark_non_differentiable(ent)
         return out, ent
 
     @staticmethod
     def backward(ctx, grad_out, grad_ent):
         hidden, weight, targets = ctx.saved_tensors
+        dtype = ctx.dtype
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = (
             torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         )
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(hidden.dtype)
+            w = weight.to(dtype)
             for i in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[i : i + ctx.chunk]
-                logits = (h @ w.T).float() / ctx.temperature
+                logits = _head_logits(h, w, dtype) / ctx.temperature
                 g = -torch.softmax(logits, dim=-1)
                 g.scatter_add_(-1, targets[i : i + ctx.chunk, None], torch.ones_like(g[:, :1]))
                 g = g * (grad_out[i : i + ctx.chunk, None] / ctx.temperature)  # [n, V] grad wrt logits
-                if grad_h is not None:
-                    grad_h[i : i + ctx.chunk] = (g.to(h.dtype) @ w).to(grad_h.dtype)
-                if grad_w is not None:
-                    grad_w += g.T @ h.float()
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+                if dtype == hidden.dtype:  # the hidden states' own dtype (fp32 on the CPU): unchanged
+                    if grad_h is not None:
+                        grad_h[i : i + ctx.chunk] = (g.to(h.dtype) @ w).to(grad_h.dtype)
+                    if grad_w is not None:
+                        grad_w += g.T @ h.float()
+                else:  # low-precision inputs, fp32 accumulation and results
+                    g_low = g.to(dtype)
+                    if grad_h is not None:
+                        grad_h[i : i + ctx.chunk] = matmul_fp32_out(g_low, w).to(grad_h.dtype)
+                    if grad_w is not None:
+                        grad_w += matmul_fp32_out(g_low.T, h.to(dtype))
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def _head_logits(h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 logits of hidden states h [n, H] under the head w [V, H] (already in `dtype`) -> [n, V]"""
+    if dtype == h.dtype:
+        return (h @ w.T).float()  # the same op as always
+    return matmul_fp32_out(h.to(dtype), w.T)
+
+
+def head_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The LM head's GEMM dtype in the training forward: autocast's (bf16) on a GPU under autocast, else the
+    hidden states' own (fp32 on the CPU)."""
+    if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return hidden.dtype
 
 
 def token_logprobs_from_hidden(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies from hidden states and the LM head.  [N, H], [V, H], [N] -> [N], [N]"""
-    return _TokenLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk))
+    """Per-token log-probs and entropies from hidden states and the LM head.  [N, H], [V, H], [N] -> [N], [N]
 
-
-def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature)[target], log-softmax in fp32.  [..., V], [...] -> [...]"""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    dtype: of the head's GEMMs (default head_dtype(hidden)); accumulation and the softmax are fp32."""
+    dtype = head_dtype(hidden) if dtype is None else dtype
+    return _TokenLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk), dtype)
 
 
 def trim_padding(

@@ -239,3 +239,30 @@ def test_cuda_graph_equals_eager_step_and_sees_new_weights(lm, tok, compile):
     a2, b2 = graph.generate(prompts, **kw), eager.generate(prompts, **kw)
     assert torch.equal(a2.response_ids, b2.response_ids), "the graph ran stale weights"
     assert not torch.equal(a2.response_ids, a.response_ids)
+
+
+def test_lm_head_in_bf16_accumulates_in_fp32():
+    """The training LM head with bf16 GEMM inputs: forward and backward equal the fp32 computation on the
+    bf16-rounded inputs (fp32 accumulation, no bf16 rounding of the logits); fp32 stays the fp32 path."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 37, 64, 3000
+    hidden = (torch.randn(N, H, generator=g) * 2).requires_grad_()
+    weight = torch.randn(V, H, generator=g).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    lp, ent = engine.token_logprobs_from_hidden(hidden, weight, targets, 0.7, chunk=16, dtype=torch.bfloat16)
+    (lp * torch.linspace(-1, 2, N)).sum().backward()
+
+    h_r = hidden.detach().bfloat16().float().requires_grad_()  # what the bf16 GEMM sees, in exact fp32
+    w_r = weight.detach().bfloat16().float().requires_grad_()
+    ref = torch.log_softmax(h_r @ w_r.T / 0.7, -1)
+    ref_lp = ref.gather(-1, targets[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), atol=2e-5, rtol=0)
+    (ref_lp * torch.linspace(-1, 2, N)).sum().backward()
+    # the backward's GEMM inputs are bf16 too (grad wrt logits rounded): a relative error near 2^-8
+    for ours, exact in ((hidden.grad, h_r.grad), (weight.grad, w_r.grad)):
+        err = (ours - exact).norm() / exact.norm()
+        assert err < 1e-2, err
+    fp32, _ = engine.token_logprobs_from_hidden(hidden.detach(), weight.detach(), targets, 0.7, chunk=16)
+    assert (fp32 - lp.detach()).abs().max() > 1e-4, "the bf16 path must differ from fp32: it ran in fp32"
+    assert engine.head_dtype(hidden) == torch.float32  # the CPU default: the fp32 path
