@@ -531,6 +531,8 @@ class StaticEngine:
         self._set_layer_fns(self.compile)
         self.compile_seconds = 0.0  # time spent in warm-up and capture (compilation included), for benchmarks
         self.captures = 0
+        self.timing = False  # benchmarks: sync and time prefill and the decode loop of each call (last_timing)
+        self.last_timing: dict[str, float] = {}
 
     @classmethod
     def of(cls, lm: nn.Module) -> StaticEngine:
@@ -804,6 +806,37 @@ class StaticEngine:
         self.captures += 1
         return graph.replay
 
+    def _clock(self) -> float:
+        if self.timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def attention_backends(self, rows: int, Lk: int, prompt_width: int) -> dict[str, str]:
+        """The SDPA kernel PyTorch picks, under this engine's pinned backends, for a decode step over Lk slots
+        and a prefill of prompt_width tokens, at `rows` rows (dummy tensors of those shapes, nothing cached)."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {int(v): k for k, v in SDPBackend.__members__.items()}
+        d, dev, dt = self.head_dim, self.device, self.dtype
+        q = torch.zeros(rows, self.n_kv, self.rep, d, dtype=dt, device=dev)
+        k = torch.zeros(rows, self.n_kv, Lk, d, dtype=dt, device=dev)
+        mask = torch.ones(rows, 1, 1, Lk, dtype=torch.bool, device=dev)
+        qp = torch.zeros(rows, self.n_heads, prompt_width, d, dtype=dt, device=dev)
+        out = {}
+        for name, args, causal, prefill in (
+            ("decode", (q, k, k, mask), False, False),
+            ("prefill", (qp, qp, qp, None), True, True),
+        ):
+            with sdpa_kernel(self._sdpa_backends(prefill=prefill)):
+                try:
+                    choice = torch._fused_sdp_choice(*args, dropout_p=0.0, is_causal=causal, scale=self.scale)
+                    out[name] = names.get(int(choice), str(choice))
+                except Exception as e:  # a private API: report, do not fail
+                    out[name] = f"unknown ({type(e).__name__}: {e})"
+        out["allowed_decode"] = ",".join(b.name for b in self._sdpa_backends(prefill=False))
+        out["allowed_prefill"] = ",".join(b.name for b in self._sdpa_backends(prefill=True))
+        return out
+
     # ---- generation ----------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -868,11 +901,17 @@ class StaticEngine:
         if return_hidden:
             self.out_hidden[:n].zero_()
 
+        t0 = self._clock()
         self._prefill(ids, lens)
+        t1 = self._clock()
+        steps = 0
         for t in range(T):
             step_fns[widths[t]]()
+            steps += 1
             if (t + 1) % self.check_every == 0 and t + 1 < T and bool(self.finished[:n].all()):
                 break
+        if self.timing:
+            self.last_timing = {"prefill_s": t1 - t0, "decode_s": self._clock() - t1, "steps": steps, "rows": n}
         t_used = max(1, int(self.out_mask[:b].sum(-1).max().item()))
         if self.top_k and top_p < 1.0 and int(self.short_rows.item()):
             runtime._notice_once(

@@ -201,6 +201,28 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
+def test_cuda_engine_grows_and_recaptures_without_the_pool_assert(lm, tok):
+    """The first thing bench/run_gpu.sh runs. One engine: T = 16 then 80, 6 rows then 70, prompt bucket 128 then
+    192 (each growth releases the graphs and captures again: the allocator's use-count assert fired here),
+    then a call that reuses the grown buffers. No exception, no fallback to the eager step, and the same
+    tokens as a fresh engine's every time."""
+    dev = torch.device("cuda")
+    lm = lm.to(dev)
+    pad = tok.pad_token_id
+    small = make_prompts((3, 41, 17, 120, 1, 64))
+    big = make_prompts([180] + [3 + (7 * i) % 40 for i in range(69)])
+    eng = engine.StaticEngine(lm, compile=False)
+    for prompts, T in [(small, 16), (small, 80), (big, 16), (small, 16)]:
+        u = engine.step_uniforms(0, T, 0, len(prompts), T, dev)
+        kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, temperature=0.9)
+        got = eng.generate(prompts, **kw)
+        ref = engine.StaticEngine(lm, compile=False).generate(prompts, **kw)
+        assert eng.cuda_graph, "a capture failed and the engine fell back to the eager step"
+        assert torch.equal(got.response_ids, ref.response_ids), f"{len(prompts)} rows, T = {T}"
+    assert eng.captures >= 3
+
+
+@cuda
 def test_cuda_graph_logprobs_match_training_forward_in_bf16(lm, tok):
     """In bf16 the engine's log-probs differ from the training forward's by rounding, no more than the plain
     path's do (which computes bf16 logits under autocast)."""
