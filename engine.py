@@ -377,8 +377,8 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     then a cumulative sum inside the one chosen block. fp32 throughout; every op is row-wise, so a row's index
     depends on its own weights and uniform only, not on the batch.  p fp32 [B, K] >= 0, u [B] -> [B] long
 
-    A rounding overshoot never picks a zero-weight token: the block and the index are clamped to the last
-    one with weight."""
+    Token i is chosen when cdf[i - 1] <= u * total < cdf[i]; a rounding overshoot never picks a zero-weight
+    token: the block and the index are clamped to the ones with weight."""
     B, K = p.shape
     bs = CDF_BLOCK if K > CDF_BLOCK else K
     if K % bs:
@@ -389,11 +389,12 @@ def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]  # [B, 1]
     target = u.to(torch.float32)[:, None] * total  # [B, 1]
     last_block = (cdf < total).sum(-1, keepdim=True)  # the first block that reaches the total
-    j = torch.searchsorted(cdf, target).minimum(last_block)  # [B, 1]
+    j = torch.searchsorted(cdf, target, right=True).minimum(last_block)  # [B, 1]: the first cdf > target
     before = cdf.gather(1, j) - sums.gather(1, j)  # [B, 1]: the mass of the blocks before j
     within = blocks.gather(1, j[..., None].expand(B, 1, bs))[:, 0].cumsum(-1)  # [B, bs]
-    last = (within < within[:, -1:]).sum(-1, keepdim=True)
-    i = torch.searchsorted(within, target - before).minimum(last)  # [B, 1]
+    first = (within <= 0).sum(-1, keepdim=True)  # the block's first token with weight
+    last = (within < within[:, -1:]).sum(-1, keepdim=True)  # and its last
+    i = torch.searchsorted(within, target - before, right=True).clamp(min=first).minimum(last)  # [B, 1]
     return (j * bs + i)[:, 0]
 
 
@@ -788,6 +789,7 @@ class StaticEngine:
             with torch.cuda.stream(side):
                 self._warm_up(fn, n)
                 self._safe_state(n)
+                torch.cuda.synchronize(self.device)  # as torch.cuda.graph does: nothing pending enters the capture
                 graph.capture_begin(pool=self.pool)
                 try:
                     fn()

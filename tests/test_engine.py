@@ -288,3 +288,50 @@ def test_lm_head_in_bf16_accumulates_in_fp32():
     fp32, _ = engine.token_logprobs_from_hidden(hidden.detach(), weight.detach(), targets, 0.7, chunk=16)
     assert (fp32 - lp.detach()).abs().max() > 1e-4, "the bf16 path must differ from fp32: it ran in fp32"
     assert engine.head_dtype(hidden) == torch.float32  # the CPU default: the fp32 path
+
+
+def _peaked_logits(rows: int, V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g) * 3  # a trained model's spread: top-p 0.9 keeps a few hundred
+
+
+def test_fp32_sampler_is_the_fp64_samplers_distribution_row_by_row():
+    """sample_tokens_fp32 (the engine's) against sample_tokens (fp64 CDF, full sort): the same token for all
+    but boundary cases of the CDF, the same log-prob; each row's token depends on its own logits and uniform
+    only (bitwise the same alone as in a batch); no divide at temperature 1."""
+    V, rows = 49152, 32
+    logits = _peaked_logits(rows, V, 0)
+    u = engine.step_uniforms(0, 0, 0, rows, 1, CPU)[:, 0]
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.9)):
+        ref, ref_lp = engine.sample_tokens(logits, u, temperature, top_p)
+        tok, lp, short = engine.sample_tokens_fp32(logits, u.float(), temperature, top_p)
+        assert (tok == ref).float().mean() >= 30 / 32, (temperature, top_p)
+        torch.testing.assert_close(lp[tok == ref], ref_lp[tok == ref], atol=1e-5, rtol=0)
+        assert not short.any()
+        alone = [engine.sample_tokens_fp32(logits[i : i + 1], u[i : i + 1].float(), temperature, top_p) for i in (0, 9)]
+        assert [int(a[0]) for a in alone] == [int(tok[0]), int(tok[9])]
+        assert [float(a[1]) for a in alone] == [float(lp[0]), float(lp[9])]
+    tok, lp, _ = engine.sample_tokens_fp32(logits, u.float(), 1.0, 1.0)
+    assert torch.equal(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+    greedy, _, _ = engine.sample_tokens_fp32(logits, None, 1.0, 1.0)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_top_k_prefilter_is_exact_when_it_covers_top_p_and_says_when_not():
+    V, rows = 49152, 32
+    logits = _peaked_logits(rows, V, 1) * 2  # peaked: the top 1024 hold more than 0.9 of the mass
+    u = engine.step_uniforms(0, 1, 0, rows, 1, CPU)[:, 0].float()
+    exact, _, _ = engine.sample_tokens_fp32(logits, u, 1.0, 0.9, top_k=0)
+    pre, _, short = engine.sample_tokens_fp32(logits, u, 1.0, 0.9, top_k=1024)
+    assert not short.any() and torch.equal(pre, exact)
+    flat = torch.zeros(2, V)  # uniform: 1024 tokens hold 2% of the mass
+    _, _, short = engine.sample_tokens_fp32(flat, torch.tensor([0.3, 0.8]), 1.0, 0.9, top_k=1024)
+    assert short.all()
+
+
+def test_two_level_cdf_never_picks_a_zero_weight_token():
+    p = torch.zeros(3, 1000)
+    p[0, 5], p[1, 999], p[2, 256:260] = 1.0, 1.0, 0.25
+    for u in (0.0, 0.5, 1.0 - 1e-7, 1.0):
+        idx = engine._inverse_cdf(p, torch.full((3,), u))
+        assert idx[0] == 5 and idx[1] == 999 and 256 <= idx[2] < 260, (u, idx)
