@@ -427,6 +427,7 @@ def sample_tokens_fp32(
 
 
 BATCH_BUCKETS = (64, 256, 512, 1024)
+FLEX_BLOCK = 128  # KV slots per block of attention="flex" (the cache's slots are a multiple of 256)
 
 
 class StaticEngine:
@@ -477,6 +478,7 @@ class StaticEngine:
         kv_chunk: int = 64,
         check_every: int | None = None,
         top_k: int | None = None,
+        attention: str = "sdpa",
     ) -> None:
         reason = static_engine_unsupported(lm)
         if reason is not None:
@@ -495,6 +497,15 @@ class StaticEngine:
         self.prompt_bucket, self.kv_chunk = prompt_bucket, kv_chunk
         self.check_every = check_every or (16 if cuda else 1)
         self.top_k = (1024 if cuda else 0) if top_k is None else top_k  # the top-p prefilter (0: none)
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be sdpa or flex, not {attention!r}")
+        self.attention = attention
+        self._flex: Callable | None = None
+        if attention == "flex":  # compiled on a GPU (the eager flex_attention is a slow reference)
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
+        self._block_masks: dict[int, Any] = {}
 
         cfg, m = lm.config, lm.model
         attn = m.layers[0].self_attn
@@ -627,6 +638,12 @@ class StaticEngine:
         self.out_logp = torch.zeros(B, T, device=dev)
         self.out_mask = torch.zeros(B, T, device=dev)
         self.out_hidden = torch.zeros(B, T, self.hidden_size, device=dev) if self.with_hidden else None
+        if self.attention == "flex":  # the block mask's per-row state, updated in place by each step
+            nb = Lm // FLEX_BLOCK
+            self.flex_pos = torch.zeros(B, dtype=torch.long, device=dev)
+            self.flex_blocks = torch.zeros(B, 1, 1, dtype=torch.int32, device=dev)
+            self.flex_indices = torch.arange(nb, dtype=torch.int32, device=dev).expand(B, 1, 1, nb).contiguous()
+            self._block_masks.clear()
 
     # ---- the model -----------------------------------------------------------------------------------
 
@@ -657,6 +674,34 @@ class StaticEngine:
         with sdpa_kernel(self._sdpa_backends(prefill=False)):
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=self.scale)
         return o.reshape(n, 1, self.n_heads * self.head_dim)
+
+    def _block_mask(self, n: int) -> Any:
+        """flex_attention's BlockMask for n rows over all slots: row b reads its first flex_blocks[b] blocks of
+        FLEX_BLOCK slots, and inside them the slots <= flex_pos[b]. Both tensors are buffers that the decode
+        step rewrites in place, so one mask (and one graph) serves every step."""
+        if n not in self._block_masks:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            pos = self.flex_pos
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= pos[b]
+
+            self._block_masks[n] = BlockMask.from_kv_blocks(
+                self.flex_blocks[:n],
+                self.flex_indices[:n],
+                BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
+                mask_mod=mask_mod,
+                seq_lengths=(1, self.max_l),
+            )
+        return self._block_masks[n]
+
+    def _flex_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        """The decode attention of attention="flex": only each row's valid blocks are read (flex decoding with
+        grouped-query heads).  q [n, 1, heads, d], k/v [n, kv_heads, L, d] -> [n, 1, heads d]"""
+        n = q.shape[0]
+        o = self._flex(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True, scale=self.scale)  # [n, h, 1, d]
+        return o.transpose(1, 2).reshape(n, 1, self.n_heads * self.head_dim)
 
     def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention over right-padded prompts.  q [n, S, heads, d], k/v [n, kv_heads, S, d] -> [n, S, heads d]"""
@@ -720,11 +765,19 @@ class StaticEngine:
         cos, sin = self._rope(pos[:, None])
         valid = self.slot_ids[:Lk] <= pos[:, None]  # [n, Lk]: each row's slots [0, position]
         where = pos.view(1, n, 1, 1, 1).expand(2, n, self.n_kv, 1, self.head_dim)
+        mask = None
+        if self._flex is not None:
+            self.flex_pos[:n] = pos
+            self.flex_blocks[:n, 0, 0] = (pos // FLEX_BLOCK + 1).to(torch.int32)
+            mask = self._block_mask(n)
         for i in range(self.n_layers):
             q, kv = self._pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv)
             cache = self.kv[i, :, :n]  # [2, n, kv_heads, L, d]
             cache.scatter_(3, where, kv)
-            o = self._decode_attention(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], valid)
+            if mask is not None:
+                o = self._flex_decode_attention(q, cache[0], cache[1], mask)
+            else:
+                o = self._decode_attention(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], valid)
             x = self._post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
         self.h[:n] = F.rms_norm(x[:, -1], (self.hidden_size,), self.norm_w, self.eps)
         self.step.add_(1)
@@ -732,7 +785,10 @@ class StaticEngine:
     # ---- graphs --------------------------------------------------------------------------------------
 
     def _widths(self, longest_prompt: int, T: int) -> list[int]:
-        """Lk of each step t: the longest row's length (prompt + t + 1) rounded up to kv_chunk."""
+        """Lk of each step t: the longest row's length (prompt + t + 1) rounded up to kv_chunk. With flex
+        attention the block mask bounds each row: one width (one graph) for all steps."""
+        if self._flex is not None:
+            return [self.max_l] * T
         return [min(self.max_l, _round_up(longest_prompt + t + 1, self.kv_chunk)) for t in range(T)]
 
     def _safe_state(self, n: int) -> None:

@@ -352,40 +352,55 @@ def section_generate(b: Bench) -> dict[str, Any]:
     u = engine.step_uniforms(0, 0, 0, B, T, b.device)
     out: dict[str, Any] = {"batch": B, "new_tokens": T, "mean_prompt_tokens": sum(map(len, prompts)) / B}
     variants = [("engine", {})]
-    if b.cuda:
-        variants.append(("engine_no_compile", {"compile": False}))
+    if b.cuda:  # flex: each row reads only its valid KV blocks (not yet the default: first measured here)
+        variants += [("engine_flex", {"attention": "flex"}), ("engine_no_compile", {"compile": False})]
     for name, opts in variants:
-        b.reset_peak()
-        eng = engine.StaticEngine(b.lm, **opts)
-        run = lambda e=eng: e.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=b.pad, uniforms=u)  # noqa: E731
-        first_s, ro = b.timed(run)
-        assert int(ro.lengths.sum()) == B * T
-        eng.timing = True
-        times, decode = [], []
-        for _ in range(b.args.reps):
-            times.append(b.timed(run)[0])
-            decode.append(eng.last_timing["decode_s"] / eng.last_timing["steps"])
-        mean_len = sum(map(len, prompts)) / B + (T + 1) / 2  # valid slots per row, averaged over the steps
-        floor = decode_floor(eng, eng.rows_for(B), mean_len, T, count_step_ops(eng, prompts[:4], b.pad))
-        floor["measured_ms"] = 1e3 * _median(decode)
-        floor["prefill_ms_measured"] = 1e3 * eng.last_timing["prefill_s"]
-        out[name] = {
-            "first_call_s": first_s,
-            "capture_and_compile_s": eng.compile_seconds,
-            "seconds": _median(times),
-            "tokens_per_s": B * T / _median(times),
-            "peak_gib": b.peak_gib(),
-            "floor": floor,
-        }
-        print(
-            f"[{name}] decode step: measured {floor['measured_ms']:.3f} ms, arithmetic {floor['expected_ms']:.3f} ms "
-            f"({floor['explain']})",
-            flush=True,
-        )
-        del eng, ro
+        if name != "engine" and b.over_deadline():
+            out[name] = {"skipped": b.over_deadline()}
+            continue
+        try:
+            out[name] = _time_engine(b, prompts, u, opts, name)
+        except Exception as e:  # one variant failing must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
         b.save()
     out["hf_dynamic"] = _hf_generate(b, prompts, T, static=False)
     return out
+
+
+def _time_engine(b: Bench, prompts: list[list[int]], u: torch.Tensor, opts: dict, name: str) -> dict[str, Any]:
+    """One engine variant: its first call (capture, compilation), the median of the timed calls, and its
+    decode step measured (prefill excluded) beside the arithmetic floor."""
+    B, T = b.args.batch, b.args.new_tokens
+    b.reset_peak()
+    eng = engine.StaticEngine(b.lm, **opts)
+    run = lambda: eng.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=b.pad, uniforms=u)  # noqa: E731
+    first_s, ro = b.timed(run)
+    assert int(ro.lengths.sum()) == B * T
+    eng.timing = True
+    times, decode = [], []
+    for _ in range(b.args.reps):
+        times.append(b.timed(run)[0])
+        decode.append(eng.last_timing["decode_s"] / eng.last_timing["steps"])
+    mean_len = sum(map(len, prompts)) / B + (T + 1) / 2  # valid slots per row, averaged over the steps
+    floor = decode_floor(eng, eng.rows_for(B), mean_len, T, count_step_ops(eng, prompts[:4], b.pad))
+    floor["measured_ms"] = 1e3 * _median(decode)
+    floor["prefill_ms_measured"] = 1e3 * eng.last_timing["prefill_s"]
+    print(
+        f"[{name}] decode step: measured {floor['measured_ms']:.3f} ms, arithmetic {floor['expected_ms']:.3f} ms "
+        f"({floor['explain']})",
+        flush=True,
+    )
+    return {
+        "first_call_s": first_s,
+        "capture_and_compile_s": eng.compile_seconds,
+        "seconds": _median(times),
+        "tokens_per_s": B * T / _median(times),
+        "peak_gib": b.peak_gib(),
+        "floor": floor,
+    }
 
 
 def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int) -> int:

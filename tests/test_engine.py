@@ -335,3 +335,16 @@ def test_two_level_cdf_never_picks_a_zero_weight_token():
     for u in (0.0, 0.5, 1.0 - 1e-7, 1.0):
         idx = engine._inverse_cdf(p, torch.full((3,), u))
         assert idx[0] == 5 and idx[1] == 999 and 256 <= idx[2] < 260, (u, idx)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_flex_attention_decode_reads_the_same_tokens(lm, tok):
+    """attention="flex" (each row reads only its own blocks, through a BlockMask the step updates in place)
+    gives the SDPA path's tokens. Eager flex_attention on the CPU: a slow reference, so a short run."""
+    prompts, T, pad = make_prompts((3, 41, 17)), 6, tok.pad_token_id
+    u = engine.step_uniforms(0, 5, 0, len(prompts), T, CPU)
+    kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, temperature=0.9)
+    flex = engine.StaticEngine(lm, attention="flex").generate(prompts, **kw)
+    ref = engine.StaticEngine(lm).generate(prompts, **kw)
+    assert torch.equal(flex.response_ids, ref.response_ids)
+    torch.testing.assert_close(flex.logprobs, ref.logprobs, atol=1e-4, rtol=0)
