@@ -32,10 +32,10 @@ fi
 tests=(tests/test_engine.py -k cuda)  # on the CPU they are collected and skipped: the flow only
 if [ "$tiny" = 1 ]; then
   bench=(--device cpu --tiny --sections sdpa,check,generate,eval,ppo)
-  t_tests=200 t_sdpa=300 t_bench=600 deadline=0  # a shared CPU: generous limits, no deadline
+  t_tests=200 t_sdpa=300 t_bench=700 deadline=0 t_trainer=300  # a shared CPU: generous limits, no deadline
 else
   bench=()
-  t_tests=150 t_sdpa=60 t_bench=240 deadline=170
+  t_tests=150 t_sdpa=60 t_bench=240 deadline=170 t_trainer=90
 fi
 t0=$SECONDS
 
@@ -62,7 +62,7 @@ echo "sdpa: exit ${PIPESTATUS[0]} at $((SECONDS - t0)) s" | tee -a "$out/sdpa.lo
 echo "== 3. benchmark" | tee "$out/bench.log"
 # shellcheck disable=SC2086  # BENCH_ARGS: extra flags, split into words on purpose
 timeout "$t_bench" python3 bench/throughput.py "${bench[@]}" --out "$out/throughput.json" --work-dir "$out/work" \
-  --deadline-s "$deadline" --subprocess-timeout-s 90 ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log"
+  --deadline-s "$deadline" --subprocess-timeout-s "$t_trainer" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log"
 status=${PIPESTATUS[0]}
 if [ "$status" != 0 ] && [ -f "$out/throughput.json" ]; then
   echo "benchmark stopped (exit $status): the sections it finished" | tee -a "$out/bench.log"
