@@ -69,3 +69,4 @@ if [ "$status" != 0 ] && [ -f "$out/throughput.json" ]; then
   python3 bench/throughput.py --table-from "$out/throughput.json" 2>&1 | tee -a "$out/bench.log"
 fi
 echo "total $((SECONDS - t0)) s" | tee -a "$out/bench.log"
+exit "$status"

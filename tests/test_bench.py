@@ -32,9 +32,9 @@ def _env() -> dict:
 
 def test_run_gpu_flow_tiny_cpu(tmp_path):
     out = tmp_path / "out"
-    env = {**_env(), "OUT": str(out), "BENCH_ARGS": "--sections sdpa,check,generate,eval,ppo,hf_static,train"}
+    env = {**_env(), "OUT": str(out), "BENCH_ARGS": "--sections sdpa,check,generate,eval,ppo,train"}
     proc = subprocess.run(
-        ["bash", "bench/run_gpu.sh", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env
+        ["bash", "bench/run_gpu.sh", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("env.txt", "tests.log", "sdpa.log", "sdpa.json", "bench.log", "throughput.json"):
@@ -48,7 +48,7 @@ def test_run_gpu_flow_tiny_cpu(tmp_path):
     report = json.loads((out / "throughput.json").read_text())
     assert {"device", "versions", "model", "settings", "sections", "ratios"} <= set(report)
     sec = report["sections"]
-    assert set(sec) == {"sdpa", "check", "generate", "eval", "ppo", "hf_static", "train"}
+    assert set(sec) == {"sdpa", "check", "generate", "eval", "ppo", "train"}
     assert not any("error" in s for s in sec.values()), {k: s.get("error") for k, s in sec.items()}
     # fp32 on the CPU: the engine's greedy tokens are the plain path's, its log-probs the training forward's
     assert sec["check"]["greedy_rows_identical"] == 1.0
@@ -58,13 +58,12 @@ def test_run_gpu_flow_tiny_cpu(tmp_path):
     floor = sec["generate"]["engine"]["floor"]
     assert floor["expected_ms"] > 0 and floor["measured_ms"] > 0 and floor["ops_per_step_eager"] > 10
     assert floor["bytes_read"] >= floor["bytes_valid"] > floor["weight_bytes"] + floor["logit_bytes"]
-    assert sec["hf_static"]["tokens_per_s"] > 0
     assert sec["eval"]["warm_s"] > 0 and sec["eval"]["problems"] == 16
     ppo = sec["ppo"]["ppo"]
     assert ppo["returncode"] == 0 and ppo["step_s"] > 0 and ppo["steps_timed"] >= 1
     assert sec["train"]["eager"]["tokens_per_s"] > 0
     r = report["ratios"]
-    assert r["engine_over_hf_dynamic"] > 0 and r["engine_over_hf_static_compiled"] > 0
+    assert r["engine_over_hf_dynamic"] > 0 and r["engine_over_hf_static_compiled"] > 0  # against the anchor
     assert r["eval_full_test_s"] == sec["eval"]["warm_s"]
     assert r["logprob_abs_error_max"] == sec["check"]["logprob_abs_error_engine"]["max"]
     assert r["decode_step_ms_floor"] == floor["expected_ms"]
