@@ -583,7 +583,7 @@ def mc_values(
     temperature: float,
     top_p: float,
     penalty: Any = None,
-    buckets: int = 4,
+    buckets: int = 2,
 ) -> tuple[torch.Tensor, int, int]:
     """The returns of k fresh rollouts from each state (prompt + response prefix).  -> [N, k], used, generated
 

@@ -49,8 +49,13 @@ def test_each_critic_runs_two_steps_with_the_mc_measurement(tmp_path, critic):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert is_finite(r["reward"]) and 0 <= r["reward"] <= 1
-        for key in ("mc/value/rmse", "mc/value/bias", "mc/adv/rmse", "mc/white/rmse", "mc/value/within_group_rmse"):
+        for key in ("mc/value/bias", "mc/value/rmse", "mc/value/sum_sq_err_nc", "mc/value/sum_within_sq_nc"):
             assert is_finite(r[key]), f"{key} = {r.get(key)}"
+        # scaled by the reward's variance at the states: none where every MC return is equal (the tiny model)
+        assert is_finite(r["mc/value/nmse"]) or r["mc/value/signal_fraction"] == 0
+        assert not any(k.startswith(("mc/adv/", "mc/white/")) for k in r), (
+            "gone: adv/* repeats value/* (returns cancel)"
+        )
         assert r["mc/tokens"] > 0 and r["mc/value/n"] > 2  # the prompts and states inside the completions
         assert (r["vf_loss"] is None) == (critic == "none")
 
