@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -207,6 +208,7 @@ def encode_prompt(tokenizer: Any, question: str, prompt_format: str = "chat") ->
 
 _MAX_NUMBER_CHARS = 64  # longer "numbers" are rejected: bounded work per marker, no int() of 100 KB
 _BOXED = "\\boxed{"
+_BRACES = re.compile(r"[{}]")
 
 
 def normalize_number(text: str) -> str | None:
@@ -249,13 +251,27 @@ def normalize_number(text: str) -> str | None:
     return format(value, "f").rstrip("0")  # exact: normalize() would round to the context's 28 digits
 
 
+_ESCAPES = "$%!,"  # what may follow a backslash inside a number: \\$ \\% \\! \\, (normalize_number reads them)
+
+
 def _number_after_marker(text: str, i: int) -> str | None:
-    """The number that starts at text[i] (after spaces), or None. Looks at most a few dozen characters."""
+    """The number that starts at text[i] (after spaces), or None. Looks at most a few dozen characters.
+
+    A backslash belongs to the number only as one of the escapes \\$ \\% \\! \\,; any other ends it
+    ('#### 7 \\boxed{8}' reads 7, so that the two markers are seen to disagree)."""
     n = len(text)
-    while i < n and text[i] in " \t\n\r*:" and i < n:  # '#### 42', '####: 42', '#### **42**'
+    while i < n and text[i] in " \t\n\r*:":  # '#### 42', '####: 42', '#### **42**'
         i += 1
     j = i
-    while j < n and j - i <= _MAX_NUMBER_CHARS and (text[j].isdigit() or text[j] in "+-$,.%\\ "):
+    while j < n and j - i <= _MAX_NUMBER_CHARS:
+        c = text[j]
+        if c == "\\":
+            if j + 1 < n and text[j + 1] in _ESCAPES:
+                j += 2
+                continue
+            break
+        if not (c.isdigit() or c in "+-$,.% "):
+            break
         j += 1
     token = text[i:j].rstrip(" ,.\\")
     if j < n and j - i <= _MAX_NUMBER_CHARS and text[j].isalnum() and not text[j - 1] == " ":
@@ -265,18 +281,26 @@ def _number_after_marker(text: str, i: int) -> str | None:
     return normalize_number(token) if token else None
 
 
-def _boxed_contents(text: str, start: int) -> str | None:
-    """What stands inside \\boxed{...} starting at text[start] (just after the brace); nested braces count."""
-    depth, i, limit = 1, start, min(len(text), start + 4 * _MAX_NUMBER_CHARS)
-    while i < limit:
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i]
-        i += 1
-    return None
+def _matching_braces(text: str) -> dict[int, int]:
+    """{position of '{': position of its matching '}'} for every matched pair, in one pass over the braces.
+
+    re finds the braces (C speed); each one is pushed or popped once, so the work is linear in the text."""
+    match, stack = {}, []
+    for m in _BRACES.finditer(text):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            match[stack.pop()] = m.start()
+    return match
+
+
+def _boxed_contents(text: str, start: int, match: dict[int, int]) -> str | None:
+    """What stands inside \\boxed{...} starting at text[start] (just after the brace), or None when the brace
+    is never closed or the contents are longer than a number could be; nested braces count (match: _matching_braces)."""
+    close = match.get(start - 1)
+    if close is None or close - start > 4 * _MAX_NUMBER_CHARS:
+        return None
+    return text[start:close]
 
 
 def _boxed_number(inner: str) -> str | None:
@@ -292,7 +316,7 @@ def extract_final_answer(text: str) -> str | None:
 
     Reads only '#### N' and '\\boxed{N}'. A marker followed by something that is not a number gives
     no answer; two markers with different numbers give None (a completion may not hedge).
-    Linear in len(text): str.find and bounded scans, no backtracking regular expression.
+    Linear in len(text): str.find, bounded scans and one pass over the braces, no backtracking regular expression.
     """
     answers: set[str] = set()
     i = text.find("####")
@@ -305,8 +329,9 @@ def extract_final_answer(text: str) -> str | None:
             answers.add(number)
         i = text.find("####", j)
     i = text.find(_BOXED)
+    match = _matching_braces(text) if i != -1 else {}
     while i != -1:
-        inner = _boxed_contents(text, i + len(_BOXED))
+        inner = _boxed_contents(text, i + len(_BOXED), match)
         if inner is not None:
             number = _boxed_number(inner)
             if number is not None:
