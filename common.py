@@ -560,6 +560,22 @@ def minibatch_rows(rows: int, minibatches: int, first: int, total: int, seed: in
     return list((start + order).T)
 
 
+def uniform_rows(
+    seed: int, stream: int, first: int, rows: int, steps: int, device: torch.device, block: int = 1024
+) -> torch.Tensor:
+    """Rows [first, first + rows) of an unbounded table of uniforms, one per (global row, decode step).  -> [rows, steps]
+
+    The table is drawn in blocks of `block` rows, block b from engine.step_uniforms(seed, b, stream): only the
+    blocks these rows touch are drawn, so the memory is in proportion to the rows asked for, not to the table
+    (offline DPO's pair sampling over --offline-prompts 1000000), and a row's uniforms depend only on its
+    global index: the same samples on one rank or N, chunked one way or another."""
+    out = []
+    for b in range(first // block, (first + rows - 1) // block + 1 if rows > 0 else first // block):
+        u = engine.step_uniforms(seed, b, stream, block, steps, device)  # [block, steps]
+        out.append(u[max(first, b * block) - b * block : min(first + rows, (b + 1) * block) - b * block])
+    return torch.cat(out) if out else torch.empty(0, steps, dtype=torch.float64, device=device)
+
+
 def measured_prompts(n: int, measured: int, rank: int, world: int) -> list[int]:
     """Which of this rank's n / world prompts the Monte Carlo measurement takes: `measured` prompts spread
     evenly over the global batch of n (global position j * n // measured), the same ones on one rank or N.

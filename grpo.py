@@ -424,7 +424,9 @@ def main() -> None:
                             "pg_loss": (pg_loss * m).sum(),
                             "clipfrac": (clipped * m).sum(),
                             "entropy": (entropy * m).sum(),
-                            "approx_kl": (common.kl_estimate(logp, old_logp[rows], "k3") * m).sum(),
+                            "approx_kl": (
+                                common.kl_estimate(old_logp[rows], logp, "k3") * m
+                            ).sum(),  # KL(old || new), old samples
                         }
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + v.item()

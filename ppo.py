@@ -477,7 +477,9 @@ def main() -> None:
                             "pg_loss": (pg_loss * m).sum(),
                             "clipfrac": (clipped * m).sum(),
                             "entropy": (entropy * m).sum(),
-                            "approx_kl": (common.kl_estimate(logp, old_logp[rows], "k3") * m).sum(),
+                            "approx_kl": (
+                                common.kl_estimate(old_logp[rows], logp, "k3") * m
+                            ).sum(),  # KL(old || new), old samples
                         }
                         if values is not None:
                             stats["vf_loss"] = (0.5 * v_loss * m).sum()

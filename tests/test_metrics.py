@@ -381,3 +381,36 @@ def test_mean_interval():
     m, lo, hi = common.mean_interval([0.4])  # one seed: a mean, and no interval rather than a zero-width one
     assert m == 0.4 and math.isnan(lo) and math.isnan(hi)
     assert all(math.isnan(x) for x in common.mean_interval([]))
+
+
+def test_mc_rollouts_from_state_t_write_and_count_at_most_t_minus_t_tokens(monkeypatch):
+    """A state t tokens into a completion of at most T has T - t tokens left: its MC rollouts are cut there and
+    only those count (they used to run up to T tokens from every state, all counted in mc_tokens)."""
+    import engine
+    import runtime
+
+    tok = runtime.load_tokenizer("tiny")
+    model = runtime.load_model("tiny", tok, 0)
+    T, k = 8, 3
+    prefixes = [[], [9] * (T - 1), [9] * (T - 2), [9] * 2]
+    budgets = [T - len(x) for x in prefixes]
+    calls = []
+    real = engine.generate
+
+    def generate(m, prompts, **kw):
+        ro = real(m, prompts, **kw)
+        calls.append((kw["max_new_tokens"], [len(p) for p in prompts], ro.lengths.tolist()))
+        return ro
+
+    monkeypatch.setattr(engine, "generate", generate)
+    u = engine.step_uniforms(0, 0, 1, len(prefixes) * k, T, torch.device("cpu"))
+    returns, used, generated = common.mc_values(
+        model, tok, [[5, 6, 7]] * len(prefixes), prefixes, ["1"] * len(prefixes),
+        task="toy", k=k, max_new_tokens=T, uniforms=u, temperature=1.0, top_p=1.0,
+    )  # fmt: skip
+    assert returns.shape == (len(prefixes), k)
+    rows = [(c - 3, n) for _, ctx, ns in calls for c, n in zip(ctx, ns)]  # (prefix length t, tokens generated)
+    assert len(rows) == len(prefixes) * k
+    assert used == sum(min(n, T - t) for t, n in rows) <= k * sum(budgets)
+    assert generated == sum(n for _, n in rows) >= used
+    assert any(n > T - t for t, n in rows), "some rollout ran past its state's budget and was cut"

@@ -183,3 +183,49 @@ def test_critic_none_is_reinforce_with_the_batch_mean_baseline(tmp_path, monkeyp
         torch.testing.assert_close(adv, (scores - baseline)[:, None] * mask, atol=1e-6, rtol=0)
         torch.testing.assert_close(ret, scores[:, None] * mask, atol=1e-6, rtol=0)
     assert json.loads((Path(tmp_path) / "run" / "results.json").read_text())["critic_params"] == 0
+
+
+def test_kl_in_the_reward_is_in_the_mc_target_and_approx_kl_samples_the_old_policy(tmp_path, monkeypatch):
+    """--kl-mode reward: the critic regresses score - beta * the KL ahead, so the Monte Carlo target must be that
+    return too (it was the raw score: the KL read as critic error). And approx_kl estimates KL(old || new) from
+    the rollout's samples of the old policy: kl_estimate(old_logp, logp, "k3"), not the reverse."""
+    kl_calls, mc_calls = [], []
+    real_kl, real_mc = common.kl_estimate, common.mc_values
+
+    def kl_estimate(a, b, kind):
+        kl_calls.append((torch.is_grad_enabled(), kind, a.requires_grad, b.requires_grad))
+        return real_kl(a, b, kind)
+
+    def mc_values(*args, **kw):
+        out = real_mc(*args, **kw)
+        mc_calls.append((kw.get("penalty") is not None, out[0].clone()))
+        return out
+
+    monkeypatch.setattr(common, "kl_estimate", kl_estimate)
+    monkeypatch.setattr(common, "mc_values", mc_values)
+    flags = dict(
+        task="toy",
+        critic="small",
+        kl_mode="reward",
+        kl_coef=1.0,
+        lr=1e-2,
+        total_steps=2,
+        batch_size=4,
+        max_new_tokens=4,
+        num_minibatches=1,
+        mc_every=1,
+        mc_prompts=2,
+        mc_samples=2,
+        eval_size=1,
+        test_size=1,
+        eval_max_new_tokens=1,
+    )
+    run_ppo_in_process(cli(tmp_path / "run", **flags), monkeypatch)
+    # approx_kl: the one k3 estimate taken without a gradient; its samples come from the old policy (no grad)
+    approx = [c for c in kl_calls if c[1] == "k3" and not c[0]]
+    assert approx and all(not a_grad and b_grad for _, _, a_grad, b_grad in approx), approx
+    # step 1: policy = reference, the KL ahead is 0 and the returns are 0/1; step 2: the policy has moved
+    assert len(mc_calls) == 2 and all(shaped for shaped, _ in mc_calls)
+    first, second = mc_calls[0][1], mc_calls[1][1]
+    assert (first - first.round()).abs().max() < 1e-4  # rounding between the sampler's and the forward's log-probs
+    assert (second - second.round()).abs().max() > 1e-3, "the KL ahead is in the MC return"
