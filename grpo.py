@@ -460,6 +460,7 @@ def main() -> None:
         pg, cf, ent, akl, ntok, rsum, nseq, lsum, ntrunc, klsum, nfmt, neq, ngroups = totals
         gen_tokens = int(lsum)
         counters["generated_tokens"] += gen_tokens
+        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(ntok)  # completion tokens x epochs
         counters["step"] = step + 1
         metrics.update(
             {
@@ -526,6 +527,8 @@ def main() -> None:
             "val": val,
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
+            "trained_tokens": counters.get("trained_tokens", 0),
+            "policy_params": runtime.count_params(policy),
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
             "critic_params": 0,

@@ -129,6 +129,10 @@ class Args:
     """KL coefficient beta (0: no reference model)"""
     recompute_logprobs: bool = False
     """recompute old log-probs with a training forward instead of using the rollout's"""
+    critic_warmup_steps: int = 0
+    """the first N steps update the critic only (value loss; the policy does not move), as VAPO's value
+    pretraining: a critic's capacity is then not confounded with how fast a head learns from zero. The steps
+    count toward --total-steps, the token budget and the learning-rate schedule"""
 
     # --- measurement against Monte Carlo ---
     mc_every: int = 10
@@ -198,6 +202,10 @@ def main() -> None:
         args.mc_states = max(0, args.max_new_tokens - 1)
     if args.kl_mode not in ("loss", "reward"):
         raise runtime.UserError(f"unknown --kl-mode {args.kl_mode!r}: use loss or reward")
+    if args.critic_warmup_steps < 0 or (args.critic_warmup_steps and args.critic == "none"):
+        raise runtime.UserError(
+            f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic and a count of at least 0"
+        )
     n_rollouts = args.batch_size * args.rollouts_per_prompt  # completions per step, over all ranks
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     local_rollouts = n_rollouts // world
@@ -438,6 +446,7 @@ def main() -> None:
         t_update = time.time()
         sums: dict[str, float] = {}
         B = len(prompts)
+        warm = step < args.critic_warmup_steps  # value-only updates: the policy stays where it is
         for epoch in range(args.update_epochs):
             # the same global minibatches on one rank or N; this rank holds `minibatch` rows of each
             deal = common.minibatch_rows(
@@ -456,8 +465,8 @@ def main() -> None:
                         pg_loss, clipped = common.clipped_surrogate(
                             logp, old_logp[rows], advantages[rows], args.clip_eps
                         )
-                        loss_tok = pg_loss
-                        if args.kl_mode == "loss" and ref is not None:
+                        loss_tok = torch.zeros_like(pg_loss) if warm else pg_loss
+                        if args.kl_mode == "loss" and ref is not None and not warm:
                             kl = common.kl_estimate(logp, ref_logp[rows], "k3")
                             loss_tok = loss_tok + args.kl_coef * kl
                         if values is not None:
@@ -486,6 +495,9 @@ def main() -> None:
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + v.item()
                         sums["tokens"] = sums.get("tokens", 0.0) + m.sum().item()
+                if warm:  # no gradient, no step, no weight decay for the policy (a shared trunk's value grads too)
+                    for p in policy.parameters():
+                        p.grad = None
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 if critic is not None:
                     torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
@@ -515,6 +527,7 @@ def main() -> None:
         pg, cf, ent, akl, vf, ntok, rsum, nseq, lsum, ntrunc, klsum, nfmt = totals
         gen_tokens = int(lsum)
         counters["generated_tokens"] += gen_tokens
+        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(ntok)  # completion tokens x epochs
         counters["step"] = step + 1
         ev = common.explained_variance_masked(old_values, returns, rmask) if critic is not None else float("nan")
         metrics.update(
@@ -530,6 +543,7 @@ def main() -> None:
                 "approx_kl": akl / ntok,
                 "vf_loss": vf / ntok if critic is not None else None,
                 "value_explained_variance": ev,
+                "critic_warmup": float(warm),
                 "grad_norm": sums["grad_norm"] / (args.update_epochs * args.num_minibatches),
                 "lr": scheduler.get_last_lr()[0],
                 "generated_tokens": counters["generated_tokens"],
@@ -583,6 +597,8 @@ def main() -> None:
             "val": val,
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
+            "trained_tokens": counters.get("trained_tokens", 0),
+            "policy_params": runtime.count_params(policy),
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
             "critic_params": runtime.count_params(critic),

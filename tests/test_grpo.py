@@ -209,7 +209,7 @@ def watched_run(name: str, run_dir) -> dict:
     """One step of grpo.main() in process with the hand-made rewards, every call of interest recorded."""
     scale, baseline, norm, eps_high = IN_PROCESS[name]
     events: list[tuple] = []
-    rec: dict = {"events": events, "generate": [], "mc_values": [], "baseline_error": []}
+    rec: dict = {"events": events, "generate": [], "mc_values": [], "baseline_error": [], "kl": []}
     real = {
         name: getattr(engine if name in ("generate", "length_sorted_micro_batches") else common, name)
         for name in (
@@ -220,8 +220,13 @@ def watched_run(name: str, run_dir) -> dict:
             "length_sorted_micro_batches",
             "clipped_surrogate",
             "loss_weights",
+            "kl_estimate",
         )
     }
+
+    def kl_estimate(a, b, kind):
+        rec["kl"].append((torch.is_grad_enabled(), kind, a.requires_grad, b.requires_grad))
+        return real["kl_estimate"](a, b, kind)
 
     def score(task, texts, token_ids, golds):
         if len(texts) == len(HAND_REWARDS):  # the training batch; the MC rollouts and evaluation score truly
@@ -286,6 +291,7 @@ def watched_run(name: str, run_dir) -> dict:
         mp.setattr(engine, "length_sorted_micro_batches", micro_batches)
         mp.setattr(common, "clipped_surrogate", surrogate)
         mp.setattr(common, "loss_weights", loss_weights)
+        mp.setattr(common, "kl_estimate", kl_estimate)
         run_in_process("grpo", cli(run_dir, GRPO_TINY, **flags))
     rec["rows"] = step_rows(run_dir)
     rec["rollout"] = rec["generate"][0][2]  # the step's training rollout comes first
@@ -407,3 +413,10 @@ def test_the_baseline_is_measured_against_k_fresh_rollouts(watched, name):
     assert row["mc/group/bias"] == pytest.approx(group["out"]["bias"])
     assert row["mc/loo/bias"] == pytest.approx(loo["out"]["bias"])
     assert not any(k.startswith(("mc/value/", "mc/adv/", "mc/white/")) for k in row)
+
+
+def test_approx_kl_samples_the_old_policy(watched):
+    """approx_kl estimates KL(old || new) from the rollout's samples of the old policy: kl_estimate(old_logp,
+    logp, "k3"), the old (no gradient) first; it was the reverse, which estimates another quantity."""
+    approx = [c for c in watched("group-mean")["kl"] if c[1] == "k3" and not c[0]]
+    assert approx and all(not a_grad and b_grad for _, _, a_grad, b_grad in approx), approx

@@ -229,3 +229,31 @@ def test_kl_in_the_reward_is_in_the_mc_target_and_approx_kl_samples_the_old_poli
     first, second = mc_calls[0][1], mc_calls[1][1]
     assert (first - first.round()).abs().max() < 1e-4  # rounding between the sampler's and the forward's log-probs
     assert (second - second.round()).abs().max() > 1e-3, "the KL ahead is in the MC return"
+
+
+def test_critic_warmup_steps_move_the_critic_and_not_the_policy(tmp_path):
+    """--critic-warmup-steps 1: the first step's updates are value-only; without it the same step moves the policy."""
+    from safetensors.torch import load_file
+
+    from critics import build_critic
+
+    tok = runtime.load_tokenizer("tiny")
+    init = runtime.load_model("tiny", tok, 1).state_dict()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        critic0 = build_critic("small", runtime.load_model("tiny", tok, 1).config.hidden_size, None).state_dict()
+    flags = dict(task="toy", critic="small", total_steps=1, lr=1e-2, critic_lr=1e-2, kl_coef=0, mc_every=0)
+    moved = {}
+    for warmup in (1, 0):
+        run_dir = tmp_path / f"warmup-{warmup}"
+        check_ok(run_here("ppo.py", cli(run_dir, **flags, critic_warmup_steps=warmup)))
+        ckpt = run_dir / runtime.CHECKPOINT
+        policy = load_file(str(ckpt / "policy" / "model.safetensors"))
+        critic = load_file(str(ckpt / "critic.safetensors"))
+        moved[warmup] = (
+            any(not torch.equal(policy[k], init[k]) for k in policy if k in init),
+            any(not torch.equal(critic[k], critic0[k]) for k in critic),
+        )
+        assert step_rows(run_dir)[0]["critic_warmup"] == float(warmup)
+    assert moved[1] == (False, True), "warm-up: the critic learns, the policy stays"
+    assert moved[0] == (True, True)
