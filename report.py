@@ -468,6 +468,8 @@ RUN_COLUMNS = [
     "scale",
     "task",
     *ERROR_COLUMNS,
+    "nmse_group_mean",
+    "measurements",
 ]
 
 
@@ -525,7 +527,7 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
     grpo = [r for r in runs if r["run"] == "grpo-group" and (grpo_exp is None or r["experiment"] == grpo_exp)]
     panels = [
         ("nmse", "nmse = baseline MSE / E[p(1-p)]"),
-        ("nmse_centred", "nmse centred (mean error removed, as by whitening)"),
+        ("nmse_centred", "nmse centred (mean error removed)"),
     ]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     for ax, (key, xlabel) in zip(axes, panels):
@@ -880,7 +882,8 @@ def write_report(out: Path, report_dir: Path) -> Path:
         )
     lines += ["", DEFINITIONS, "## Results", "", markdown_table(summary), ""]
     lines.append(
-        "Per-run numbers (every seed, MC tokens, explained variance, correlation): runs.csv; this table: summary.csv."
+        "Per-run numbers (every seed, MC tokens, RMSE, explained variance, GRPO's group mean): runs.csv; this table: "
+        "summary.csv."
     )
     unfilled = old_run_columns(runs)
     if unfilled:
