@@ -185,7 +185,7 @@ def test_critic_none_is_reinforce_with_the_batch_mean_baseline(tmp_path, monkeyp
     assert json.loads((Path(tmp_path) / "run" / "results.json").read_text())["critic_params"] == 0
 
 
-def test_kl_in_the_reward_is_in_the_mc_target_and_approx_kl_samples_the_old_policy(tmp_path, monkeypatch):
+def test_kl_in_the_reward_is_in_the_mc_target_and_approx_kl_samples_the_old_policy(tmp_path, monkeypatch, capsys):
     """--kl-mode reward: the critic regresses score - beta * the KL ahead, so the Monte Carlo target must be that
     return too (it was the raw score: the KL read as critic error). And approx_kl estimates KL(old || new) from
     the rollout's samples of the old policy: kl_estimate(old_logp, logp, "k3"), not the reverse."""
@@ -216,11 +216,14 @@ def test_kl_in_the_reward_is_in_the_mc_target_and_approx_kl_samples_the_old_poli
         mc_every=1,
         mc_prompts=2,
         mc_samples=2,
+        mc_states=50,  # more than a completion of 4 tokens has: clamped to 3, with one notice
         eval_size=1,
         test_size=1,
         eval_max_new_tokens=1,
     )
     run_ppo_in_process(cli(tmp_path / "run", **flags), monkeypatch)
+    notices = [line for line in capsys.readouterr().err.splitlines() if "--mc-states 50" in line]
+    assert len(notices) == 1 and "clamped to 3" in notices[0], notices
     # approx_kl: the one k3 estimate taken without a gradient; its samples come from the old policy (no grad)
     approx = [c for c in kl_calls if c[1] == "k3" and not c[0]]
     assert approx and all(not a_grad and b_grad for _, _, a_grad, b_grad in approx), approx
