@@ -226,8 +226,8 @@ def run_variant(res: dict[str, Any]) -> str:
     """A run's variant from its results.json (never from its folder's name): the critic (or grpo's "group", dpo's
     pairs), and the settings the sweep's extra arms change: GRPO without the std division, PPO at lambda < 1."""
     variant, args = str(res["critic"]), res.get("args") or {}
-    if res.get("method") == "grpo" and args.get("scale_rewards") == "none":
-        variant += "-unscaled"
+    if res.get("method") == "grpo" and args.get("scale_rewards") == "none" and not variant.endswith("-unscaled"):
+        variant += "-unscaled"  # grpo.py names it so itself since the sweep's unscaled arm; older runs did not
     if res.get("method") == "grpo" and args.get("baseline") == "loo":
         variant += "-loo"
     if res.get("method") == "ppo" and finite(args.get("lam")) and float(args["lam"]) != 1.0:
