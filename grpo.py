@@ -521,7 +521,7 @@ def main() -> None:
     if dist_.main:
         results = {
             "method": "grpo",
-            "critic": "group",
+            "critic": "group" if args.scale_rewards == "group" else "group-unscaled",
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,

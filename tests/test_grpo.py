@@ -61,7 +61,8 @@ def test_each_mode_runs_two_steps(tmp_path, mode):
     check_ok(run_here("grpo.py", cli(run_dir, GRPO_TINY, **flags)))
 
     results = check_results(run_dir, steps=2)
-    assert results["method"] == "grpo" and results["critic"] == "group" and results["critic_params"] == 0
+    variant = "group" if flags["scale_rewards"] == "group" else "group-unscaled"  # Dr. GRPO: no std division
+    assert results["method"] == "grpo" and results["critic"] == variant and results["critic_params"] == 0
     assert results["mc_tokens"] > 0
     for key, value in flags.items():
         assert results["args"][key] == value

@@ -6,28 +6,30 @@ The smoke sweep runs once per session (about two minutes on 2 cores); the other 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, check_ok, trainer_env, tree_digest
+from helpers import REPO, check_ok, check_one_error_line, trainer_env, tree_digest
 
 import runtime
 
 CRITICS = ["none", "small", "medium", "large", "full"]
 EXPECTED = {
     "critic": [f"ppo-{c}" for c in CRITICS],
-    "h2h": ["grpo-group", *[f"ppo-{c}" for c in CRITICS], "dpo-gold-online", "dpo-gold-offline"],
+    "h2h": ["grpo-group", "grpo-group-unscaled", *[f"ppo-{c}" for c in CRITICS], "dpo-gold-online", "dpo-gold-offline"],
     "labels": ["dpo-self-offline", "dpo-self-online", "dpo-gold-offline", "dpo-gold-online"],
 }
-N_RUNS = sum(len(v) for v in EXPECTED.values())  # 17 per seed
+N_RUNS = sum(len(v) for v in EXPECTED.values())  # 18 per seed
 PNGS = ["crossover.png", "curves.png", "errors.png"]
 
 
@@ -79,7 +81,9 @@ def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
     for experiment, names in EXPECTED.items():
         for name in names:
             res = runtime.read_results(out / experiment / f"{name}-s1" / "results.json")
-            assert f"{res['method']}-{res['critic']}" == name and res["seed"] == 1
+            assert f"{res['method']}-{res.get('variant', res.get('critic'))}" == name and res["seed"] == 1
+            if res["method"] == "grpo":  # the head-to-head's two GRPO arms: with and without the std division
+                assert res["args"]["scale_rewards"] == ("none" if name == "grpo-group-unscaled" else "group")
             assert res["args"]["model"] == "tiny" and res["scaled_down"] == []
     check_report(out / "report", N_RUNS)
 
@@ -119,7 +123,7 @@ def test_dry_run_prints_every_command_and_the_budget_symbolically(tmp_path):
                 assert any(f"--run-dir {out}/{experiment}/{name}-s{seed} " in c for c in commands), (experiment, name)
         ref = out / "h2h" / f"grpo-group-s{seed}"
         budgeted = [c for c in commands if f"--token-budget <generated_tokens of {ref}>" in c]
-        assert len(budgeted) == 7  # five PPO critics, DPO online and offline
+        assert len(budgeted) == 8  # GRPO without the std division, five PPO critics, DPO online and offline
     assert not out.exists()  # a dry run creates nothing
 
 
@@ -131,7 +135,22 @@ def test_dry_run_shows_the_budget_once_the_reference_run_exists(smoke, tmp_path)
     proc = sweep("--smoke", "--dry-run", "--out", new, "--experiments", "h2h")
     check_ok(proc)
     assert "# h2h/grpo-group-s1: finished" in proc.stdout
-    assert proc.stdout.count(f"--token-budget {budget} ") == 7
+    assert proc.stdout.count(f"--token-budget {budget} ") == 8
+
+
+def test_critic_lambda_is_an_optional_arm_at_lambda_095(tmp_path):
+    out = tmp_path / "out"
+    default = sweep("--dry-run", "--out", out, "--seeds", "1")
+    check_ok(default)
+    assert "--lam" not in default.stdout and "/critic-lambda/" not in default.stdout  # off by default
+    proc = sweep("--dry-run", "--out", out, "--seeds", "1,2", "--experiments", "critic-lambda")
+    check_ok(proc)
+    commands = [line for line in proc.stdout.splitlines() if ".py --run-dir " in line]
+    assert len(commands) == 2 * 4  # small, medium, large, full: per seed
+    for c in ["small", "medium", "large", "full"]:
+        for seed in (1, 2):
+            (line,) = [x for x in commands if f"--run-dir {out}/critic-lambda/ppo-{c}-s{seed} " in x]
+            assert "ppo.py --run-dir" in line and f"--critic {c} --mc-states 2 --lam 0.95" in line
 
 
 @pytest.mark.parametrize(
@@ -258,7 +277,7 @@ def test_slurm_submits_one_array_task_per_run(tmp_path):
     check_ok(proc)
     first, second, report = calls.read_text().splitlines()
     assert "--array=0,1,2,3,4,5,6,7,8,9 " in first and "--requeue" in first and "--signal=B:TERM@300" in first
-    assert "--array=10,11,12,13,14,15,16 " in second and "--dependency=afterany:1001" in second
+    assert "--array=10,11,12,13,14,15,16,17 " in second and "--dependency=afterany:1001" in second
     assert "--dependency=afterany:1002" in report and "report.py" in report
     task = (out / "slurm" / "task.sh").read_text()
     assert '--slurm-task "$SLURM_ARRAY_TASK_ID" -- --lr 2e-6' in task
@@ -275,6 +294,70 @@ def test_slurm_submits_one_array_task_per_run(tmp_path):
     res = runtime.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
     assert res["method"] == "grpo" and res["args"]["lr"] == 2e-6
     assert json.loads(json.dumps(res["args"]))["run_dir"] == str(out / "h2h" / "grpo-group-s1")
+
+
+HOLD = """
+import fcntl, json, os, sys, time
+f = open(sys.argv[1], "a+")
+fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+f.truncate(0); f.write(json.dumps({"pid": os.getpid(), "holder": sys.argv[2]}) + "\\n"); f.flush()
+print("held", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+@contextlib.contextmanager
+def held_lock(path: Path, holder: str):
+    """Another process holds path's lock (flock), as a sweep or a trainer writes it: {"pid": N, "holder": ...}."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(path), holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"held\n"
+        yield p.pid
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+
+
+@pytest.mark.parametrize("holder, kind", [("sweep", "a sweep"), ("ppo.py", "a trainer (ppo.py")])
+def test_a_held_lock_is_one_line_naming_the_holder(tmp_path, holder, kind):
+    out = tmp_path / "out"
+    with held_lock(out / ".lock", holder) as pid:
+        proc = sweep("--smoke", "--out", out, "--experiments", "labels")
+    line = check_one_error_line(proc)
+    assert proc.returncode == 2 and f"{out} is in use by {kind}" in line and f"pid {pid}" in line, line
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing started, nothing written
+
+
+def test_the_sweep_holds_its_lock_for_its_life_and_skips_a_run_a_trainer_holds(tmp_path):
+    """A stand-in torchrun that waits for SIGTERM keeps the sweep alive: its lock names it; a second sweep on the same
+    folder is refused naming it; a run whose folder a trainer holds is failed, naming the trainer, and skipped."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/usr/bin/env bash\nsleep 120 &\ntrap 'kill $!; exit 0' TERM\nwait\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {**trainer_env(), "PYTHON": sys.executable, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    args = ["--launcher", "torchrun", "--gpus", "1", "--out", str(out), "--experiments", "labels", "--seeds", "1"]
+    with held_lock(out / "labels" / "dpo-self-offline-s1" / ".lock", "dpo.py") as trainer:
+        first = subprocess.Popen(
+            ["bash", str(REPO / "sweep.sh"), *args], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            lines = []
+            while not any(line.startswith("run   ") for line in lines):  # the sweep's first trainer has started
+                lines.append(first.stdout.readline())
+                assert lines[-1], "".join(lines)
+            assert json.loads((out / ".lock").read_text()) == {"pid": first.pid, "holder": "sweep"}
+            second = sweep(*args)
+            assert f"is in use by a sweep (pid {first.pid})" in check_one_error_line(second)
+        finally:
+            first.send_signal(signal.SIGTERM)
+            rest, _ = first.communicate(timeout=60)
+    text = "".join(lines) + rest
+    assert first.returncode == 130, text  # stopped: the same command resumes
+    busy = [x for x in text.splitlines() if x.startswith("FAIL  labels/dpo-self-offline-s1")]
+    assert len(busy) == 1 and f"in use by a trainer (dpo.py, pid {trainer})" in busy[0], text
+    assert "run   labels/dpo-self-offline-s1" not in text and "run   labels/dpo-self-online-s1" in text  # the next one
 
 
 # ------------------------------------------------------------------------------------------------------
