@@ -373,3 +373,35 @@ def test_a_new_run_never_takes_pairs_it_did_not_sample(tmp_path):
     line = check_one_error_line(run_trainer("dpo.py", cli(run_dir, DPO_TINY, **MODES["gold offline sigmoid"])))
     assert "pairs.jsonl" in line and str(run_dir) in line
     assert tree_digest(run_dir) == before
+
+
+def test_offline_sampling_draws_uniforms_in_proportion_to_the_chunk_not_to_offline_prompts(tmp_path, monkeypatch):
+    """--offline-prompts 1000000 (the head-to-head's) used to draw a [1e6 x K, T] fp64 table per chunk on every
+    rank (15 GiB at the study's scale); only the chunk's rows may be drawn."""
+    import engine
+
+    drawn = []
+    real = engine.step_uniforms
+
+    def step_uniforms(seed, step, stream, rows, steps, device):
+        drawn.append(rows)
+        assert rows <= 4096, f"a uniform table of {rows} rows for a chunk of {chunk} prompts x {k} samples"
+        return real(seed, step, stream, rows, steps, device)
+
+    monkeypatch.setattr(engine, "step_uniforms", step_uniforms)
+    chunk, k = 4, DPO_TINY["samples-per-prompt"]
+    flags = dict(pairs="gold", offline_prompts=1_000_000, token_budget=1, eval_batch_size=chunk, total_steps=1)
+    run_in_process("dpo", cli(tmp_path / "run", DPO_TINY, **flags))
+    assert drawn and max(drawn) <= 4096
+    pairs = read_pairs(tmp_path / "run")
+    assert 0 < len(pairs) <= chunk  # the budget of 1 token ends sampling after the first chunk
+
+
+def test_uniform_rows_depend_on_the_global_row_alone():
+    cpu = torch.device("cpu")
+    whole = common.uniform_rows(3, 10, 0, 50, 5, cpu, block=8)  # [50, 5]
+    parts = [common.uniform_rows(3, 10, a, b - a, 5, cpu, block=8) for a, b in ((0, 7), (7, 23), (23, 24), (24, 50))]
+    assert torch.equal(torch.cat(parts), whole)
+    assert torch.equal(common.uniform_rows(3, 10, 17, 9, 5, cpu, block=8), whole[17:26])
+    assert common.uniform_rows(3, 10, 5, 0, 5, cpu).shape == (0, 5)
+    assert not torch.equal(common.uniform_rows(3, 11, 0, 8, 5, cpu, block=8), whole[:8])  # another stream

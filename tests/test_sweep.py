@@ -235,7 +235,7 @@ def test_report_on_existing_runs(smoke, tmp_path):
     check_ok(proc)
     check_report(report, N_RUNS)
     md = (report / "report.md").read_text()
-    assert "centred RMSE" in md and "noise-corrected" in md and "python report.py --estimate" in md
+    assert "nmse" in md and "noise-corrected" in md and "python report.py --estimate" in md
 
     est = subprocess.run(
         [sys.executable, "report.py", "--estimate", str(out), "--steps", "200", "--seeds", "3"],
@@ -358,3 +358,85 @@ def test_the_sweep_holds_its_lock_for_its_life_and_skips_a_run_a_trainer_holds(t
     busy = [x for x in text.splitlines() if x.startswith("FAIL  labels/dpo-self-offline-s1")]
     assert len(busy) == 1 and f"in use by a trainer (dpo.py, pid {trainer})" in busy[0], text
     assert "run   labels/dpo-self-offline-s1" not in text and "run   labels/dpo-self-online-s1" in text  # the next one
+
+
+# ------------------------------------------------------------------------------------------------------
+# report.py on synthetic runs: pooled sums, the paired comparison, runs written before the measurement
+# ------------------------------------------------------------------------------------------------------
+
+
+def _write_run(root: Path, experiment: str, name: str, results: dict, rows: list[dict]) -> Path:
+    run_dir = root / experiment / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "results.json").write_text(json.dumps(results))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_report_pools_sums_pairs_problems_and_names_what_old_runs_cannot_fill(tmp_path):
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    import common
+    import report
+
+    g = torch.Generator().manual_seed(0)
+    k, n_test = 8, 200
+    measured: dict[tuple[str, int], list[dict]] = {}
+    for method, name, noise in (("ppo", "value", 0.15), ("grpo", "loo", 0.3)):
+        for seed in (1, 2, 3):
+            rows, parts = [], []
+            for step in range(4):
+                truth = torch.rand(40, generator=g, dtype=torch.float64)
+                mc = (torch.rand(40, k, generator=g, dtype=torch.float64) < truth[:, None]).double().mean(-1)
+                pred = truth + noise * torch.randn(40, generator=g, dtype=torch.float64)
+                err = common.baseline_error(pred, mc, k, torch.arange(40) // 4)
+                rows.append({"step": step + 1, **{f"mc/{name}/{key}": v for key, v in err.items()}})
+                if name == "loo":
+                    rows[-1].update({f"mc/group/{key}": v for key, v in err.items()})
+                if step > 0:  # the report leaves out the first measurement (the untrained critic)
+                    parts.append((pred, mc))
+            measured[(method, seed)] = parts
+            acc = 0.5 if method == "ppo" else 0.4
+            correct = (torch.rand(n_test, generator=g) < acc).float().tolist()
+            results = {
+                "method": method, "critic": "small" if method == "ppo" else "group", "seed": seed, "steps": 4,
+                "generated_tokens": 1000, "trained_tokens": 2000, "policy_params": 10, "critic_params": 5,
+                "args": {"group_size": 8} if method == "grpo" else {},
+                "test": {"accuracy": sum(correct) / n_test, "n": n_test, "ci95": [0.3, 0.6], "correct": correct},
+            }  # fmt: skip
+            variant = "ppo-small" if method == "ppo" else "grpo-group"
+            _write_run(tmp_path, "h2h", f"{variant}-s{seed}", results, rows)
+    # a run written before this change: old keys, no per-problem correctness, no trained tokens
+    old = {"method": "ppo", "critic": "none", "seed": 1, "steps": 2, "generated_tokens": 10,
+           "test": {"accuracy": 0.1, "n": n_test, "ci95": [0.0, 0.2]}}  # fmt: skip
+    _write_run(tmp_path, "h2h", "ppo-none-s1", old, [{"step": 1, "mc/value/centred_rmse": 0.2, "mc/value/rmse": 0.3}])
+
+    runs, damaged = report.load_runs(tmp_path)
+    assert not damaged and len(runs) == 7
+    summary = {r["run"]: r for r in report.summarize(runs)}
+    # the pooled number: one direct computation on every state of every seed's measurements after the first
+    for method, run in (("ppo", "ppo-small"), ("grpo", "grpo-group")):
+        states = [p for seed in (1, 2, 3) for p in measured[(method, seed)]]
+        parts = [common.baseline_error(pred, mc, k, torch.arange(40) // 4) for pred, mc in states]
+        direct = common.baseline_error(torch.cat([p for p, _ in states]), torch.cat([m for _, m in states]), k)
+        assert summary[run]["nmse"] == pytest.approx(direct["nmse"], rel=1e-9)
+        assert summary[run]["rmse"] == pytest.approx(direct["rmse"], rel=1e-9)
+        centred = sum(p["sum_centred_sq_nc"] for p in parts) / direct["sum_signal_var"]
+        assert summary[run]["nmse_centred"] == pytest.approx(centred, rel=1e-9)
+        assert summary[run]["nmse_seed_low"] < summary[run]["nmse"] < summary[run]["nmse_seed_high"]
+    assert summary["ppo-small"]["nmse"] < summary["grpo-group"]["nmse"]
+    # paired on the same problems: per problem the mean over seeds, then the mean difference and its t interval
+    by = {(r["run"], r["seed"]): r["correct"] for r in runs if r["correct"] is not None}
+    a = [sum(by[("ppo-small", s)][j] for s in (1, 2, 3)) / 3 for j in range(n_test)]
+    b = [sum(by[("grpo-group", s)][j] for s in (1, 2, 3)) / 3 for j in range(n_test)]
+    d, lo, hi = common.paired_difference(a, b)
+    row = summary["ppo-small"]
+    assert (row["vs_grpo"], row["vs_grpo_low"], row["vs_grpo_high"]) == pytest.approx((d, lo, hi))
+    assert row["train_flops"] == pytest.approx(6 * 2000 * 15)
+    # the old run: its row is written, its new columns are empty, and one line says which
+    assert all(r != r for r in (summary["ppo-none"]["nmse"], summary["ppo-none"]["vs_grpo"]))
+    md = report.write_report(tmp_path, tmp_path / "report").read_text()
+    lines = [line for line in md.splitlines() if "leave these columns empty" in line]
+    assert len(lines) == 1 and "h2h/ppo-none-s1" in lines[0] and "nmse" in lines[0] and "paired" in lines[0]
+    assert "| h2h | ppo-none |" in md and "| h2h | ppo-small |" in md
