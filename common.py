@@ -14,10 +14,12 @@ setup, loading, logging or checkpoints (runtime.py), the critics (critics.py).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -206,6 +208,7 @@ def encode_prompt(tokenizer: Any, question: str, prompt_format: str = "chat") ->
 
 _MAX_NUMBER_CHARS = 64  # longer "numbers" are rejected: bounded work per marker, no int() of 100 KB
 _BOXED = "\\boxed{"
+_BRACES = re.compile(r"[{}]")
 
 
 def normalize_number(text: str) -> str | None:
@@ -248,13 +251,27 @@ def normalize_number(text: str) -> str | None:
     return format(value, "f").rstrip("0")  # exact: normalize() would round to the context's 28 digits
 
 
+_ESCAPES = "$%!,"  # what may follow a backslash inside a number: \\$ \\% \\! \\, (normalize_number reads them)
+
+
 def _number_after_marker(text: str, i: int) -> str | None:
-    """The number that starts at text[i] (after spaces), or None. Looks at most a few dozen characters."""
+    """The number that starts at text[i] (after spaces), or None. Looks at most a few dozen characters.
+
+    A backslash belongs to the number only as one of the escapes \\$ \\% \\! \\,; any other ends it
+    ('#### 7 \\boxed{8}' reads 7, so that the two markers are seen to disagree)."""
     n = len(text)
-    while i < n and text[i] in " \t\n\r*:" and i < n:  # '#### 42', '####: 42', '#### **42**'
+    while i < n and text[i] in " \t\n\r*:":  # '#### 42', '####: 42', '#### **42**'
         i += 1
     j = i
-    while j < n and j - i <= _MAX_NUMBER_CHARS and (text[j].isdigit() or text[j] in "+-$,.%\\ "):
+    while j < n and j - i <= _MAX_NUMBER_CHARS:
+        c = text[j]
+        if c == "\\":
+            if j + 1 < n and text[j + 1] in _ESCAPES:
+                j += 2
+                continue
+            break
+        if not (c.isdigit() or c in "+-$,.% "):
+            break
         j += 1
     token = text[i:j].rstrip(" ,.\\")
     if j < n and j - i <= _MAX_NUMBER_CHARS and text[j].isalnum() and not text[j - 1] == " ":
@@ -264,18 +281,26 @@ def _number_after_marker(text: str, i: int) -> str | None:
     return normalize_number(token) if token else None
 
 
-def _boxed_contents(text: str, start: int) -> str | None:
-    """What stands inside \\boxed{...} starting at text[start] (just after the brace); nested braces count."""
-    depth, i, limit = 1, start, min(len(text), start + 4 * _MAX_NUMBER_CHARS)
-    while i < limit:
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i]
-        i += 1
-    return None
+def _matching_braces(text: str) -> dict[int, int]:
+    """{position of '{': position of its matching '}'} for every matched pair, in one pass over the braces.
+
+    re finds the braces (C speed); each one is pushed or popped once, so the work is linear in the text."""
+    match, stack = {}, []
+    for m in _BRACES.finditer(text):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            match[stack.pop()] = m.start()
+    return match
+
+
+def _boxed_contents(text: str, start: int, match: dict[int, int]) -> str | None:
+    """What stands inside \\boxed{...} starting at text[start] (just after the brace), or None when the brace
+    is never closed or the contents are longer than a number could be; nested braces count (match: _matching_braces)."""
+    close = match.get(start - 1)
+    if close is None or close - start > 4 * _MAX_NUMBER_CHARS:
+        return None
+    return text[start:close]
 
 
 def _boxed_number(inner: str) -> str | None:
@@ -291,7 +316,7 @@ def extract_final_answer(text: str) -> str | None:
 
     Reads only '#### N' and '\\boxed{N}'. A marker followed by something that is not a number gives
     no answer; two markers with different numbers give None (a completion may not hedge).
-    Linear in len(text): str.find and bounded scans, no backtracking regular expression.
+    Linear in len(text): str.find, bounded scans and one pass over the braces, no backtracking regular expression.
     """
     answers: set[str] = set()
     i = text.find("####")
@@ -304,8 +329,9 @@ def extract_final_answer(text: str) -> str | None:
             answers.add(number)
         i = text.find("####", j)
     i = text.find(_BOXED)
+    match = _matching_braces(text) if i != -1 else {}
     while i != -1:
-        inner = _boxed_contents(text, i + len(_BOXED))
+        inner = _boxed_contents(text, i + len(_BOXED), match)
         if inner is not None:
             number = _boxed_number(inner)
             if number is not None:
@@ -539,6 +565,22 @@ def minibatch_rows(rows: int, minibatches: int, first: int, total: int, seed: in
     return list((start + order).T)
 
 
+def uniform_rows(
+    seed: int, stream: int, first: int, rows: int, steps: int, device: torch.device, block: int = 1024
+) -> torch.Tensor:
+    """Rows [first, first + rows) of an unbounded table of uniforms, one per (global row, decode step).  -> [rows, steps]
+
+    The table is drawn in blocks of `block` rows, block b from engine.step_uniforms(seed, b, stream): only the
+    blocks these rows touch are drawn, so the memory is in proportion to the rows asked for, not to the table
+    (offline DPO's pair sampling over --offline-prompts 1000000), and a row's uniforms depend only on its
+    global index: the same samples on one rank or N, chunked one way or another."""
+    out = []
+    for b in range(first // block, (first + rows - 1) // block + 1 if rows > 0 else first // block):
+        u = engine.step_uniforms(seed, b, stream, block, steps, device)  # [block, steps]
+        out.append(u[max(first, b * block) - b * block : min(first + rows, (b + 1) * block) - b * block])
+    return torch.cat(out) if out else torch.empty(0, steps, dtype=torch.float64, device=device)
+
+
 def measured_prompts(n: int, measured: int, rank: int, world: int) -> list[int]:
     """Which of this rank's n / world prompts the Monte Carlo measurement takes: `measured` prompts spread
     evenly over the global batch of n (global position j * n // measured), the same ones on one rank or N.
@@ -551,6 +593,25 @@ def measured_prompts(n: int, measured: int, rank: int, world: int) -> list[int]:
 # ======================================================================================================
 # Advantage-error metrics: how wrong a baseline is, against Monte Carlo estimates
 # ======================================================================================================
+#
+# The measurement (docs/measurement.md): at each measured state s a baseline predicts b(s); K fresh rollouts from s
+# give the Monte Carlo mean p_hat(s) of the return. common.monte_carlo picks the states, runs the rollouts and hands
+# (b, p_hat) to common.baseline_error, which scales the baseline's error by the reward's own variance there.
+
+
+def mc_state_positions(length: int, states: int, seed: int) -> list[tuple[int, float]]:
+    """The measured states of one completion of `length` tokens, as (t, weight): t tokens of it already written.
+
+    The prompt state (t = 0, the baseline of the first token) with weight 1, then `states` distinct positions
+    drawn uniformly from 1..length-1, each weighted (length - 1) / drawn: the weights sum to `length`, so that
+    pooled over completions every token counts once, as in a token-mean loss (with gamma = lambda = 1 the
+    advantage of token t is R - V(s_t)). A completion shorter than states + 1 tokens gives all its positions.
+    """
+    inside = list(range(1, length))
+    if len(inside) > states:
+        inside = sorted(random.Random(seed).sample(inside, states))
+    w = (length - 1) / len(inside) if inside else 0.0
+    return [(0, 1.0)] + [(t, w) for t in inside]
 
 
 @torch.no_grad()
@@ -567,33 +628,241 @@ def mc_values(
     uniforms: torch.Tensor,
     temperature: float,
     top_p: float,
-) -> tuple[torch.Tensor, int]:
-    """Monte Carlo values: the mean reward of k fresh rollouts from each state (prompt + response prefix).
+    penalty: Any = None,
+    buckets: int = 2,
+) -> tuple[torch.Tensor, int, int]:
+    """The returns of k fresh rollouts from each state (prompt + response prefix).  -> [N, k], used, generated
 
-    A state whose prefix holds t response tokens has max_new_tokens - t left, as the policy had; the
-    reward reads the whole completion (prefix + continuation). uniforms: [N * k, >= max_new_tokens].
-    Returns p_hat [N] and the number of tokens generated (a cost kept apart from training's).
+    A state whose prefix holds t response tokens has max_new_tokens - t left, as the policy had: its rollouts
+    are cut there and only those tokens count (`used`). The states are generated in up to `buckets` batches of
+    similar budget, each batch for its largest budget (`generated`: what the engine ran, cut-off tokens too).
+    The reward reads the whole completion (prefix + continuation). uniforms: [N * k, >= max_new_tokens].
+    penalty(rollout, used_lengths [B]) -> [B]: a shaped part of the return to subtract (PPO's KL in the reward).
     """
-    contexts = [list(p) + list(x) for p, x in zip(prompts, prefixes) for _ in range(k)]
-    ro = engine.generate(
+    n = len(prompts)
+    budget = [max_new_tokens - len(x) for x in prefixes]  # [N] tokens each state may still write
+    order = sorted(range(n), key=lambda i: -budget[i])
+    per = -(-n // max(1, buckets)) if n else 1
+    returns = torch.zeros(n, k, dtype=torch.float64)
+    used_total = generated = 0
+    for b0 in range(0, n, per):
+        states = order[b0 : b0 + per]
+        rows = [i * k + j for i in states for j in range(k)]  # rows of the uniform table, k per state
+        ro = engine.generate(
+            model,
+            [list(prompts[i]) + list(prefixes[i]) for i in states for _ in range(k)],
+            max_new_tokens=budget[states[0]],
+            eos_id=tokenizer.eos_token_id,
+            pad_id=tokenizer.pad_token_id,
+            uniforms=uniforms[rows],
+            temperature=temperature,
+            top_p=top_p,
+        )
+        lengths = ro.lengths.cpu()
+        used = torch.tensor([min(int(lengths[r]), budget[states[r // k]]) for r in range(len(rows))])  # [b * k]
+        ids = [
+            list(prefixes[states[r // k]]) + row[: int(u)]
+            for r, (row, u) in enumerate(zip(ro.response_ids.tolist(), used))
+        ]
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        scores = torch.tensor(
+            score(task, texts, ids, [golds[states[r // k]] for r in range(len(rows))]), dtype=torch.float64
+        )
+        if penalty is not None:
+            scores = scores - penalty(ro, used).double().cpu()
+        returns[torch.tensor(states)] = scores.view(len(states), k)
+        used_total += int(used.sum())
+        generated += int(lengths.sum())
+    return returns, used_total, generated
+
+
+def baseline_error(
+    pred: torch.Tensor,
+    mc: torch.Tensor,
+    k: int,
+    groups: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    mc_var: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """How wrong a baseline is, on the scale of the reward's own variance, noise-corrected.  [N] x (2-5) -> dict
+
+    pred: the baseline b_i at each measured state i; mc: the mean p_i of K fresh returns there (K = k); groups:
+    the prompt of each state; weights w_i (default 1; common.mc_state_positions: token weights); mc_var: the
+    unbiased sample variance s_i^2 of the K returns (default, for 0/1 rewards: K/(K-1) p_i (1 - p_i)).
+    With e_i = b_i - p_i, the MC noise of state i, Var(p_i) = s_i^2 / K =: v_i, W = sum w, and sums over i:
+
+      nmse          = (sum w e^2 - sum w v) / sum w s^2
+                      the baseline's MSE against the true value, over E[Var(R | s)]: the share by which it
+                      inflates Var(R - b) over a perfect baseline's (0 perfect; 1/(G-1) for a leave-one-out
+                      mean of G rollouts, whatever the success rate). The crossover's x axis.
+      nmse_centred  = (sum w (e - e_bar)^2 - (sum w v - sum w^2 v / W)) / sum w s^2,  e_bar = sum w e / W
+                      the same after removing the mean error (what whitening removes); the noise share of a
+                      centred MSE is (1 - 1/N) of the noise for equal weights.
+      within_nmse   = sum over prompts g of (sum_g w (e - e_bar_g)^2 - (sum_g w v - sum_g w^2 v / W_g)) / sum w s^2
+                      after removing each prompt's mean error ((1 - 1/m) of the noise for m equal states).
+      bias = e_bar;  rmse = sqrt(max(0, (sum w e^2 - sum w v) / W))
+      explained_variance = 1 - (centred error variance) / (variance of the true values), both noise-corrected
+      signal_fraction: the share of prompts (of states without groups) whose K returns are not all equal
+                      (0 < p < 1 for 0/1 rewards): where a baseline can matter at all.
+
+    Every ratio is of pooled sums, never of roots: the sum_* and count entries let report.py (pool_baseline_errors)
+    pool measurements and seeds again. Noise terms assume the K returns of a state are independent of the others'.
+    """
+    e = (pred.double() - mc.double()).flatten()
+    p = mc.double().flatten()
+    w = torch.ones_like(e) if weights is None else weights.double().flatten()
+    s2 = p * (1 - p) * k / (k - 1) if mc_var is None else mc_var.double().flatten()  # [N] Var(R | s), unbiased
+    v = s2 / k  # [N] Var(p_hat)
+    W = w.sum()
+    sum_e, sum_e2, sum_v, sum_w2v, sum_s2 = (
+        (w * e).sum(),
+        (w * e * e).sum(),
+        (w * v).sum(),
+        (w * w * v).sum(),
+        (w * s2).sum(),
+    )
+    centred = sum_e2 - sum_e**2 / W - (sum_v - sum_w2v / W)
+    value_var = (w * p * p).sum() - (w * p).sum() ** 2 / W - (sum_v - sum_w2v / W)
+    mixed = s2 > 0
+    out = {
+        "n": float(e.numel()),
+        "weight": W.item(),
+        "sum_err": sum_e.item(),
+        "sum_sq_err_nc": (sum_e2 - sum_v).item(),
+        "sum_centred_sq_nc": centred.item(),
+        "sum_signal_var": sum_s2.item(),
+        "sum_value_var_nc": value_var.item(),
+        "noise_var": (sum_v / W).item(),
+        "target_mean": ((w * p).sum() / W).item(),
+    }
+    if groups is not None:
+        _, g = torch.unique(groups.flatten().long(), return_inverse=True)
+        m = int(g.max()) + 1
+        Wg = torch.zeros(m, dtype=e.dtype).index_add_(0, g, w)
+        eg = torch.zeros(m, dtype=e.dtype).index_add_(0, g, w * e) / Wg
+        noise_g = (
+            torch.zeros(m, dtype=e.dtype).index_add_(0, g, w * v)
+            - torch.zeros(m, dtype=e.dtype).index_add_(0, g, w * w * v) / Wg
+        )
+        out["sum_within_sq_nc"] = ((w * (e - eg[g]) ** 2).sum() - noise_g.sum()).item()
+        out["groups"] = float(m)
+        out["signal_groups"] = float(torch.zeros(m, dtype=e.dtype).index_add_(0, g, mixed.double()).gt(0).sum())
+    else:
+        out["groups"], out["signal_groups"] = float(e.numel()), float(mixed.sum())
+    out.update(baseline_error_ratios(out))
+    return out
+
+
+def baseline_error_ratios(sums: dict[str, float]) -> dict[str, float]:
+    """nmse, nmse_centred, within_nmse, bias, rmse, explained_variance, signal_fraction from baseline_error's sums."""
+    nan = float("nan")
+    W, S = sums.get("weight", 0.0), sums.get("sum_signal_var", 0.0)
+    out = {
+        "nmse": sums["sum_sq_err_nc"] / S if S > 0 else nan,
+        "nmse_centred": sums["sum_centred_sq_nc"] / S if S > 0 else nan,
+        "within_nmse": sums["sum_within_sq_nc"] / S if S > 0 and "sum_within_sq_nc" in sums else nan,
+        "bias": sums["sum_err"] / W if W > 0 else nan,
+        "rmse": math.sqrt(max(0.0, sums["sum_sq_err_nc"] / W)) if W > 0 else nan,
+        "explained_variance": 1 - sums["sum_centred_sq_nc"] / sums["sum_value_var_nc"]
+        if sums.get("sum_value_var_nc", 0.0) > 0
+        else nan,
+        "signal_fraction": sums["signal_groups"] / sums["groups"] if sums.get("groups", 0.0) > 0 else nan,
+    }
+    return out
+
+
+POOLED_SUMS = (
+    "n", "weight", "sum_err", "sum_sq_err_nc", "sum_centred_sq_nc", "sum_signal_var", "sum_value_var_nc",
+    "sum_within_sq_nc", "groups", "signal_groups",
+)  # fmt: skip
+
+
+def pool_baseline_errors(measurements: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Several baseline_error results (measurements, seeds) as one: their sums added, then the ratios.
+
+    The centred and within-prompt sums stay centred per measurement (whitening acts on each batch apart).
+    A sum missing from any measurement (within_nmse without groups) is left out."""
+    measurements = [m for m in measurements if m]
+    if not measurements:
+        return {}
+    sums = {key: sum(float(m[key]) for m in measurements) for key in POOLED_SUMS if all(key in m for m in measurements)}
+    sums["measurements"] = float(len(measurements))
+    return {**sums, **baseline_error_ratios(sums)}
+
+
+@torch.no_grad()
+def monte_carlo(
+    model: nn.Module,
+    tokenizer: Any,
+    *,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    golds: Sequence[str],
+    groups: Sequence[int],
+    row_ids: Sequence[int],
+    baselines: dict[str, torch.Tensor],
+    states: int,
+    k: int,
+    max_new_tokens: int,
+    seed: int,
+    step: int,
+    task: str,
+    temperature: float,
+    top_p: float,
+    penalty: Any = None,
+) -> tuple[dict[str, float], int]:
+    """The shared Monte Carlo measurement of baselines at token-weighted states of this rank's measured completions.
+
+    prompts, responses, golds, groups (prompt ids), row_ids (global row of each completion: seeds its states):
+    the measured completions on this rank. baselines: name -> [R, >= T] the baseline's value at each state t of
+    each completion (PPO: its critic's V(s_t); GRPO: the group's mean at every t). Per completion the states of
+    mc_state_positions (the prompt, and `states` positions inside); k rollouts from each (mc_values, stream 1 of
+    the step's uniforms, indexed by the state's global place); everything gathered over ranks, then baseline_error
+    per baseline. Returns {"<name>/<key>": ...} plus states and tokens, and the MC tokens used on all ranks.
+    """
+    if k < 2:
+        raise runtime.UserError(f"--mc-samples {k} must be at least 2 (the noise correction divides by K - 1)")
+    picked = [
+        (i, t, w)
+        for i, (resp, rid) in enumerate(zip(responses, row_ids))
+        for t, w in mc_state_positions(len(resp), states, seed * 1_000_003 + step * 7_919 + int(rid))
+    ]
+    counts = runtime.all_gather_objects(len(picked))
+    rank = dist.get_rank() if runtime.world_size() > 1 else 0
+    first, total = sum(counts[:rank]), sum(counts)
+    u = engine.step_uniforms(seed, step, 1, total * k, max_new_tokens, torch.device("cpu"))[
+        first * k : (first + len(picked)) * k
+    ]
+    returns, used, generated = mc_values(
         model,
-        contexts,
-        max_new_tokens=max_new_tokens - min(len(x) for x in prefixes),
-        eos_id=tokenizer.eos_token_id,
-        pad_id=tokenizer.pad_token_id,
-        uniforms=uniforms,
+        tokenizer,
+        [prompts[i] for i, _, _ in picked],
+        [list(responses[i][:t]) for i, t, _ in picked],
+        [golds[i] for i, _, _ in picked],
+        task=task,
+        k=k,
+        max_new_tokens=max_new_tokens,
+        uniforms=u.to(next(runtime.unwrap(model).parameters()).device),
         temperature=temperature,
         top_p=top_p,
+        penalty=penalty,
     )
-    ids, n_tokens = [], 0
-    for i, (row, n) in enumerate(zip(ro.response_ids.tolist(), ro.lengths.tolist())):
-        prefix = prefixes[i // k]
-        cont = row[: min(n, max_new_tokens - len(prefix))]
-        ids.append(list(prefix) + cont)
-        n_tokens += n
-    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    rewards = torch.tensor(score(task, texts, ids, [g for g in golds for _ in range(k)]))
-    return rewards.view(-1, k).mean(-1), n_tokens
+    i_idx, t_idx = torch.tensor([i for i, _, _ in picked]), torch.tensor([t for _, t, _ in picked])
+    local = {
+        "mc": returns.mean(-1),
+        "var": returns.var(-1, unbiased=True),
+        "w": torch.tensor([w for _, _, w in picked], dtype=torch.float64),
+        "group": torch.tensor([int(groups[i]) for i, _, _ in picked]),
+        **{f"b/{name}": b.detach().double().cpu()[i_idx, t_idx] for name, b in baselines.items()},
+    }
+    cat = {key: torch.cat([g[key] for g in runtime.all_gather_objects(local)]) for key in local}
+    out: dict[str, float] = {}
+    for name in baselines:
+        err = baseline_error(cat[f"b/{name}"], cat["mc"], k, cat["group"], cat["w"], cat["var"])
+        out.update({f"{name}/{key}": v for key, v in err.items()})
+    tokens = runtime.all_reduce_sum(torch.tensor([float(used), float(generated)], dtype=torch.float64)).tolist()
+    out["states"], out["tokens"], out["tokens_generated"] = float(total), tokens[0], tokens[1]
+    return out, int(tokens[0])
 
 
 def advantage_error(
@@ -643,40 +912,6 @@ def mc_noise(p_hat: torch.Tensor, k: int) -> float:
     return (p_hat.double() * (1 - p_hat.double()) / (k - 1)).mean().item()
 
 
-def baseline_report(
-    pred_values: torch.Tensor,
-    mc_values: torch.Tensor,
-    returns: torch.Tensor,
-    pred_adv: torch.Tensor,
-    k: int,
-    group_ids: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """The whole comparison of a baseline with Monte Carlo, as ppo.py and grpo.py log it.  [N] x4 -> dict
-
-    pred_values: the baseline's value at each measured state; mc_values: the mean reward of K fresh
-    rollouts from it; returns: the return the update sees; pred_adv: the advantage the update computes
-    there (before whitening). The MC advantage is returns - mc_values. Keys: value/*, adv/*, the noise-
-    corrected value MSE, and white/* (both advantages whitened over the measured set, as the update sees them).
-    """
-    out: dict[str, float] = {}
-    for key, val in advantage_error(pred_values, mc_values, group_ids).items():
-        out[f"value/{key}"] = val
-    noise = mc_noise(mc_values, k)
-    out["value/mc_noise_var"] = noise
-    out["value/mse_noise_corrected"] = out["value/rmse"] ** 2 - noise
-    mc_adv = returns - mc_values
-    for key, val in advantage_error(pred_adv, mc_adv, group_ids).items():
-        out[f"adv/{key}"] = val
-
-    def white(x: torch.Tensor) -> torch.Tensor:
-        x = x.double()
-        return (x - x.mean()) / (x.std(unbiased=True) + 1e-8) if x.numel() > 1 else x - x.mean()
-
-    for key, val in advantage_error(white(pred_adv), white(mc_adv), group_ids).items():
-        out[f"white/{key}"] = val
-    return out
-
-
 # ======================================================================================================
 # Evaluation: greedy, on the validation split during training and the test split at the end
 # ======================================================================================================
@@ -692,8 +927,32 @@ def wilson_interval(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def mean_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
-    """Mean and a normal 95% interval of a list of numbers (across seeds, say).
+@functools.lru_cache(maxsize=256)
+def t_quantile(q: float, dof: int) -> float:
+    """The q quantile of Student's t with dof degrees of freedom (q in (0.5, 1)): bisection on its CDF, the
+    density integrated by Simpson's rule. t_quantile(0.975, 2) = 4.303, (0.975, 29) = 2.045."""
+    if dof < 1 or not 0.5 < q < 1:
+        raise ValueError(f"t_quantile needs dof >= 1 and 0.5 < q < 1, got {q}, {dof}")
+    log_c = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+
+    def cdf(x: float, n: int = 2000) -> float:  # P(T <= x) for x >= 0
+        h = x / n
+        f = [math.exp(log_c - (dof + 1) / 2 * math.log1p((i * h) ** 2 / dof)) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < q:
+        lo, hi = hi, 2 * hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_interval(values: Sequence[float], z: float | None = None) -> tuple[float, float, float]:
+    """Mean and a 95% interval of a list of numbers (across seeds, say): mean +- t sd / sqrt(n), with t the 0.975
+    quantile of Student's t with n - 1 degrees of freedom (4.30 for 3 seeds; a normal 1.96 there covers ~81%).
+    z overrides the quantile.
 
     One number has no spread to estimate: its interval is (nan, nan), not a zero-width interval that would
     look certain. No numbers: all three are nan.
@@ -705,7 +964,15 @@ def mean_interval(values: Sequence[float], z: float = 1.96) -> tuple[float, floa
     if n < 2:
         return m, math.nan, math.nan
     sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
-    return m, m - z * sd / math.sqrt(n), m + z * sd / math.sqrt(n)
+    q = t_quantile(0.975, n - 1) if z is None else z
+    return m, m - q * sd / math.sqrt(n), m + q * sd / math.sqrt(n)
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """Mean of a - b over paired items (the same test problems) and its 95% t interval.  [n], [n] -> 3 floats"""
+    if len(a) != len(b):
+        raise ValueError(f"paired_difference needs equal lengths, got {len(a)} and {len(b)}")
+    return mean_interval([float(x) - float(y) for x, y in zip(a, b)])
 
 
 @torch.no_grad()
@@ -722,7 +989,8 @@ def evaluate(
     show_progress: bool = True,
     backend: str = "auto",
 ) -> dict[str, Any]:
-    """Greedy accuracy with a 95% Wilson interval. Under torchrun each rank takes a share; totals are summed.
+    """Greedy accuracy with a 95% Wilson interval, and each problem's reward ("correct", in order). Under torchrun
+    each rank takes a share; totals are summed.
 
     backend: as in engine.generate ("auto": the static engine on a GPU, transformers' generation on the CPU)."""
     from tqdm.auto import tqdm
@@ -730,7 +998,7 @@ def evaluate(
     rank, world = (dist.get_rank(), dist.get_world_size()) if runtime.world_size() > 1 else (0, 1)
     mine = list(range(rank, len(problems), world))
     correct = tokens = formatted = 0.0
-    samples = []
+    samples, per_problem = [], []
     t0 = time.time()
     bar = tqdm(total=len(mine), desc=desc, leave=False, disable=not show_progress or rank != 0)
     for i in range(0, len(mine), batch_size):
@@ -747,6 +1015,7 @@ def evaluate(
         texts, ids = engine.decode_responses(tokenizer, ro)
         rewards = score(task, texts, ids, [p.gold for p in batch])
         correct += sum(rewards)
+        per_problem += [(j, r) for j, r in zip(mine[i : i + batch_size], rewards)]
         tokens += ro.lengths.sum().item()
         formatted += sum(extract_final_answer(t) is not None for t in texts)
         if len(samples) < 3:
@@ -759,6 +1028,7 @@ def evaluate(
     totals = runtime.all_reduce_sum(torch.tensor([correct, tokens, formatted, float(len(mine))], dtype=torch.float64))
     gathered = sorted((js for part in runtime.all_gather_objects(samples) for js in part), key=lambda js: js[0])
     samples = [s for _, s in gathered[:3]]  # the first three problems, whichever ranks evaluated them
+    correct_each = [r for _, r in sorted(jr for part in runtime.all_gather_objects(per_problem) for jr in part)]
     correct, tokens, formatted, n = totals.tolist()
     n = int(n)
     lo, hi = wilson_interval(correct, n)
@@ -771,6 +1041,7 @@ def evaluate(
         "generated_tokens": int(tokens),
         "seconds": time.time() - t0,
         "samples": samples,
+        "correct": correct_each,  # per problem, in the split's order: a paired comparison of methods reads it
     }
 
 

@@ -254,11 +254,14 @@ def main() -> None:
         k = args.samples_per_prompt
         if not idx:
             return [], {"reward": 0.0, "completions": 0.0, "no_pair": 0.0, "response_len": 0.0}
-        u = engine.step_uniforms(args.seed, step, stream, n_global * k, args.max_new_tokens, device)
+        if args.online:
+            u = engine.step_uniforms(args.seed, step, stream, n_global * k, args.max_new_tokens, device)
+            u = u[first * k : (first + len(idx)) * k]  # this rank's rows of the global table
+        else:  # only these rows of the offline table: memory in proportion to the chunk, not to --offline-prompts
+            u = common.uniform_rows(args.seed, stream, first * k, len(idx) * k, args.max_new_tokens, device)
         ro = engine.generate(
             lm, [prompt_ids(i) for i in idx for _ in range(k)], max_new_tokens=args.max_new_tokens, eos_id=eos,
-            pad_id=pad, uniforms=u[first * k : (first + len(idx)) * k],  # this rank's rows of the global table
-            temperature=args.temperature, top_p=args.top_p,
+            pad_id=pad, uniforms=u, temperature=args.temperature, top_p=args.top_p,
         )  # fmt: skip
         texts, ids = engine.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in idx for _ in range(k)]

@@ -130,16 +130,15 @@ def sample_tokens(
     return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
-_CACHE_KW: str | None = None
+@functools.cache
+def _cache_kwarg_of(model_class: type) -> str:
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _cache_kwarg(model: nn.Module) -> str:
     """The name transformers gives the KV-cache argument: `past_key_values`, or `cache` from 5.2x on."""
-    global _CACHE_KW
-    if _CACHE_KW is None:
-        params = inspect.signature(runtime.unwrap(model).model.forward).parameters
-        _CACHE_KW = "cache" if "cache" in params else "past_key_values"
-    return _CACHE_KW
+    return _cache_kwarg_of(type(runtime.unwrap(model).model))
 
 
 GENERATION_BACKENDS = ("auto", "static", "hf")
@@ -188,7 +187,7 @@ def generate(
         reason = static_engine_unsupported(lm)
         if reason is None:
             with torch.inference_mode(False):  # the backend's buffers outlive this call: no inference tensors
-                return static_engine(lm).generate(prompts, **kwargs)
+                return StaticEngine.of(lm).generate(prompts, **kwargs)
         runtime._notice_once(
             f"the static rollout backend runs Llama models only ({reason}): using transformers' generation"
         )
@@ -338,6 +337,99 @@ def _llama_post_attention(
     return x + F.linear(F.silu(gate) * up, down_w)
 
 
+def _prefill_pre_attention(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """_llama_pre_attention for prefill: its own code object, so that torch.compile keeps the prefill's shapes
+    (dynamic) apart from the decode step's (static) and neither uses up the other's recompile budget."""
+    return _llama_pre_attention(*args)
+
+
+def _prefill_post_attention(*args: Any) -> torch.Tensor:
+    """_llama_post_attention for prefill (see _prefill_pre_attention)."""
+    return _llama_post_attention(*args)
+
+
+_MM_FP32_OUT: dict[tuple, bool] = {}
+
+
+def matmul_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of low-precision inputs (bf16) with fp32 accumulation and an fp32 result: no rounding of the
+    product to bf16. torch.mm(out_dtype=float32) where it runs (recent CUDA builds); elsewhere the same
+    numbers from an fp32 GEMM of the (already rounded) inputs.  [n, k] @ [k, m] -> fp32 [n, m]"""
+    if a.dtype == torch.float32:
+        return a @ b
+    key = (a.device.type, a.dtype)
+    if key not in _MM_FP32_OUT:
+        try:
+            probe = torch.ones(2, 8, dtype=a.dtype, device=a.device)
+            _MM_FP32_OUT[key] = torch.mm(probe, probe.t(), out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError):
+            _MM_FP32_OUT[key] = False
+    if _MM_FP32_OUT[key]:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+CDF_BLOCK = 256  # tokens per block of the two-level CDF (SmolLM2's 49,152 = 192 blocks)
+
+
+def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The index where u (in [0, 1)) lands in the CDF of the unnormalised weights p, in two levels: block sums,
+    then a cumulative sum inside the one chosen block. fp32 throughout; every op is row-wise, so a row's index
+    depends on its own weights and uniform only, not on the batch.  p fp32 [B, K] >= 0, u [B] -> [B] long
+
+    Token i is chosen when cdf[i - 1] <= u * total < cdf[i]; a rounding overshoot never picks a zero-weight
+    token: the block and the index are clamped to the ones with weight."""
+    B, K = p.shape
+    bs = CDF_BLOCK if K > CDF_BLOCK else K
+    if K % bs:
+        p = F.pad(p, (0, bs - K % bs))
+    blocks = p.view(B, -1, bs)  # [B, nb, bs]
+    sums = blocks.sum(-1)  # [B, nb]
+    cdf = sums.cumsum(-1)  # [B, nb]
+    total = cdf[:, -1:]  # [B, 1]
+    target = u.to(torch.float32)[:, None] * total  # [B, 1]
+    last_block = (cdf < total).sum(-1, keepdim=True)  # the first block that reaches the total
+    j = torch.searchsorted(cdf, target, right=True).minimum(last_block)  # [B, 1]: the first cdf > target
+    before = cdf.gather(1, j) - sums.gather(1, j)  # [B, 1]: the mass of the blocks before j
+    within = blocks.gather(1, j[..., None].expand(B, 1, bs))[:, 0].cumsum(-1)  # [B, bs]
+    first = (within <= 0).sum(-1, keepdim=True)  # the block's first token with weight
+    last = (within < within[:, -1:]).sum(-1, keepdim=True)  # and its last
+    i = torch.searchsorted(within, target - before, right=True).clamp(min=first).minimum(last)  # [B, 1]
+    return (j * bs + i)[:, 0]
+
+
+def sample_tokens_fp32(
+    logits: torch.Tensor, u: torch.Tensor | None, temperature: float, top_p: float, top_k: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The engine's sampler: sample_tokens' distribution, in fp32 with a two-level CDF (no [B, V] fp64 copy, no
+    full sort).  logits fp32 [B, V], u [B] -> token [B], log-prob [B], short [B] bool
+
+    No divide at temperature 1. top_p < 1 first keeps the top_k most likely tokens (0: all V) and applies top-p
+    inside them: exact whenever those hold at least top_p of the mass; `short` marks the rows where they did
+    not (the caller reports them). The log-prob is under softmax(logits / temperature), as sample_tokens'."""
+    x = logits if temperature == 1.0 else logits / max(temperature, 1e-6)
+    logp = torch.log_softmax(x, dim=-1)  # [B, V]
+    short = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    if u is None:
+        token = logits.argmax(-1)
+    elif top_p < 1.0:
+        k = logits.shape[-1] if top_k <= 0 else min(top_k, logits.shape[-1])
+        top, order = logp.topk(k, dim=-1)  # [B, k], descending
+        p = top.exp()
+        before = p.cumsum(-1) - p
+        p = p * (before < top_p)  # the first token is always kept
+        token = order.gather(-1, _inverse_cdf(p, u)[:, None])[:, 0]
+        if k < logits.shape[-1]:
+            short = (before[:, -1] + p[:, -1]) < top_p
+    else:
+        token = _inverse_cdf(logp.exp(), u)
+    return token, logp.gather(-1, token[:, None])[:, 0], short
+
+
+BATCH_BUCKETS = (64, 256, 512, 1024)
+FLEX_BLOCK = 128  # KV slots per block of attention="flex" (the cache's slots are a multiple of 256)
+
+
 class StaticEngine:
     """Rollouts of a Llama-family model over a static KV cache; on a GPU the decode step is one CUDA graph.
 
@@ -346,17 +438,32 @@ class StaticEngine:
       gate/up fused. `refresh()` copies the live parameters into them at the start of every generate() call.
       The CUDA graphs read only these copies, whose addresses never change, so a graph never runs stale
       weights, whatever the optimiser did in between (and a replaced parameter tensor is picked up too).
-    - KV cache: [layers, 2 (k, v), B, kv_heads, L, head_dim]. Prompts are left-padded to a width P, a multiple
-      of 64; slot P + t holds response token t of every row; positions count each row's real tokens only.
-    - Shapes repeat: the batch is rounded up (extra rows start finished), P is bucketed, L = P + max_new_tokens,
-      and step t attends over the first P + 64 k slots (the smallest k that covers it), one graph per k.
-    - The decode step is a function of static buffers only (the state h, a step counter on the device, the
-      uniforms, the finished flags, the outputs): record the state, sample with sample_tokens, write the
-      outputs, run the token through the model. On a GPU it is captured once per shape and replayed; whether
-      every row has finished is read every `check_every` steps, not every token.
-    - Prefill runs the same layers eagerly with a query length > 1. With compile=True the per-layer pieces of
-      the decode step go through torch.compile (fused norms and RoPE) before the graph is captured.
+    - KV cache: [layers, 2 (k, v), rows, kv_heads, slots, head_dim], left-aligned: slot = position, so each
+      row's valid slots are [0, its length), contiguous. Response token t of a row with a prompt of length p
+      goes to slot p + t.
+    - Decode attention reads the first Lk slots, Lk the longest row's length rounded up to kv_chunk, with a
+      per-row length mask (slot <= position), the query heads of a kv head packed together (grouped-query
+      attention without repeating the cache). One graph per (rows, Lk, sampler settings): the prompt width
+      does not enter the decode step, so prompt buckets 192 and 256 share their graphs.
+    - Buffers are sized for the largest shape seen or reserved (reserve()): rows rounded to BATCH_BUCKETS on
+      a GPU, slots to 256, steps to 64. Growing them releases every graph and takes a new graph pool (the
+      old pool may still hold the cuBLAS workspace of the first capture: capturing into it again trips the
+      allocator's assertion). Call reserve() with the run's largest shape (its evaluation) to capture once.
+    - Capture runs on a side stream entered by this code, not by torch.cuda.graph: a failed capture leaves
+      the process on its own stream, prints one notice and runs the eager step from then on.
+    - The decode step reads and writes static buffers only (the state h, a step counter on the device, the
+      uniforms, the finished flags, the outputs), never syncs with the host, and traces with
+      torch.compile(fullgraph=True) (tests/test_engine_preflight.py). Whether every row has finished is read
+      every `check_every` steps.
+    - Prefill: prompts right-padded to a multiple of prompt_bucket, positions 0.., plain causal attention (the
+      SDPA backend pinned: flash or memory-efficient on a GPU, never cuDNN); padding queries only write slots
+      that a later token overwrites or the length mask hides. With compile=True the layer pieces of both
+      prefill and decode go through torch.compile.
+    - Sampling: sample_tokens_fp32 (fp32, two-level CDF, top-k prefilter before top-p), the LM head in the
+      compute dtype with fp32 output (matmul_fp32_out), as the training forward's _TokenLogProbs.
     """
+
+    _by_model: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its engine (StaticEngine.of)
 
     def __init__(
         self,
@@ -364,10 +471,14 @@ class StaticEngine:
         *,
         cuda_graph: bool | None = None,
         compile: bool | None = None,
+        compile_backend: Any = "inductor",
         batch_multiple: int | None = None,
+        batch_buckets: Sequence[int] | None = None,
         prompt_bucket: int = 64,
         kv_chunk: int = 64,
         check_every: int | None = None,
+        top_k: int | None = None,
+        attention: str = "sdpa",
     ) -> None:
         reason = static_engine_unsupported(lm)
         if reason is not None:
@@ -379,9 +490,22 @@ class StaticEngine:
         self.dtype = torch.bfloat16 if cuda else torch.float32
         self.cuda_graph = cuda if cuda_graph is None else (cuda_graph and cuda)
         self.compile = cuda if compile is None else compile
-        self.batch_multiple = batch_multiple or (64 if cuda else 1)
+        self.compile_backend = compile_backend
+        # rows: a multiple when given, else the buckets (on a GPU), else exactly what is asked (the CPU)
+        self.batch_multiple = batch_multiple
+        self.batch_buckets = tuple(batch_buckets) if batch_buckets is not None else (BATCH_BUCKETS if cuda else ())
         self.prompt_bucket, self.kv_chunk = prompt_bucket, kv_chunk
         self.check_every = check_every or (16 if cuda else 1)
+        self.top_k = (1024 if cuda else 0) if top_k is None else top_k  # the top-p prefilter (0: none)
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be sdpa or flex, not {attention!r}")
+        self.attention = attention
+        self._flex: Callable | None = None
+        if attention == "flex":  # compiled on a GPU (the eager flex_attention is a slow reference)
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
+        self._block_masks: dict[int, Any] = {}
 
         cfg, m = lm.config, lm.model
         attn = m.layers[0].self_attn
@@ -410,14 +534,27 @@ class StaticEngine:
         self.o = torch.empty(L, H, self.n_heads * d, dtype=dt, device=dev)
         self.gate_up = torch.empty(L, 2 * inter, H, dtype=dt, device=dev)
         self.down = torch.empty(L, H, inter, dtype=dt, device=dev)
-        self._logits_fp32_out = cuda and dt != f32 and self._mm_out_dtype_works()
 
         self.max_b = self.max_l = self.max_t = 0
         self.with_hidden = False
-        self.graphs: dict[tuple, dict[int, Any]] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
-        self._pre, self._post = self._layer_fns(self.compile)
+        self.graphs: dict[tuple, Callable] = {}  # (rows, Lk, sampler settings, hidden) -> graph.replay
+        self.pool: Any = None  # the graph pool of self.graphs; a new one after every release
+        self.short_rows = torch.zeros(1, dtype=torch.long, device=dev)  # rows the top-k prefilter cut short
+        self._set_layer_fns(self.compile)
         self.compile_seconds = 0.0  # time spent in warm-up and capture (compilation included), for benchmarks
+        self.captures = 0
+        self.timing = False  # benchmarks: sync and time prefill and the decode loop of each call (last_timing)
+        self.last_timing: dict[str, float] = {}
+
+    @classmethod
+    def of(cls, lm: nn.Module) -> StaticEngine:
+        """The engine of a model, made on first use and kept (with its buffers and graphs) while the model lives."""
+        lm = runtime.unwrap(lm)
+        eng = cls._by_model.get(lm)
+        device = next(lm.parameters()).device
+        if eng is None or eng.device != device or eng.vocab != lm.model.embed_tokens.weight.shape[0]:
+            eng = cls._by_model[lm] = cls(lm)
+        return eng
 
     # ---- weights -------------------------------------------------------------------------------------
 
@@ -444,45 +581,69 @@ class StaticEngine:
             self.gate_up[i, self.inter :].copy_(mlp.up_proj.weight)
             self.down[i].copy_(mlp.down_proj.weight)
 
-    def _mm_out_dtype_works(self) -> bool:
-        """Whether torch.mm(..., out_dtype=float32) runs here: bf16 logits with fp32 output, no bf16 rounding."""
-        try:
-            a = torch.ones(2, 8, dtype=self.dtype, device=self.device)
-            return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError):
-            return False
-
-    def _layer_fns(self, compile: bool) -> tuple[Callable, Callable]:
+    def _set_layer_fns(self, compile: bool) -> None:
+        """The layer pieces of decode (static shapes) and prefill (dynamic), compiled or eager."""
         if not compile:
-            return _llama_pre_attention, _llama_post_attention
-        return (
-            torch.compile(_llama_pre_attention, dynamic=False),
-            torch.compile(_llama_post_attention, dynamic=False),
-        )
+            self._pre = self._prefill_pre = _llama_pre_attention
+            self._post = self._prefill_post = _llama_post_attention
+            return
+        be = self.compile_backend
+        self._pre = torch.compile(_llama_pre_attention, dynamic=False, backend=be)
+        self._post = torch.compile(_llama_post_attention, dynamic=False, backend=be)
+        self._prefill_pre = torch.compile(_prefill_pre_attention, dynamic=True, backend=be)
+        self._prefill_post = torch.compile(_prefill_post_attention, dynamic=True, backend=be)
 
     # ---- buffers -------------------------------------------------------------------------------------
 
+    def rows_for(self, b: int) -> int:
+        """The rows a batch of b runs with: a multiple of batch_multiple, else the smallest bucket that holds it."""
+        if self.batch_multiple:
+            return _round_up(b, self.batch_multiple)
+        for bucket in self.batch_buckets:
+            if b <= bucket:
+                return bucket
+        return _round_up(b, self.batch_buckets[-1]) if self.batch_buckets else b
+
+    def reserve(self, rows: int, prompt_tokens: int, new_tokens: int, return_hidden: bool = False) -> None:
+        """Size the buffers for the largest call a run will make (rows, longest prompt, new tokens), so that
+        later calls capture each graph once and never reallocate."""
+        n, P = self.rows_for(rows), _round_up(max(prompt_tokens, 1), self.prompt_bucket)
+        self._ensure_buffers(n, max(P, prompt_tokens + new_tokens), new_tokens, return_hidden)
+
+    def release_graphs(self) -> None:
+        """Drop every captured graph, and with them their pool: the next capture takes a new pool handle."""
+        self.graphs.clear()
+        self.pool = None
+
     def _ensure_buffers(self, n: int, length: int, steps: int, hidden: bool) -> None:
-        """Grow-only state buffers; growing them drops the captured graphs (they point at the old ones)."""
+        """Grow-only state buffers; growing them releases the captured graphs (they point at the old ones)."""
         if n <= self.max_b and length <= self.max_l and steps <= self.max_t and (self.with_hidden or not hidden):
             return
-        self.graphs.clear()
-        self.max_b, self.max_l = max(n, self.max_b), max(length, self.max_l)
-        self.max_t, self.with_hidden = max(steps, self.max_t), self.with_hidden or hidden
+        self.release_graphs()
+        self.max_b = max(n, self.max_b)
+        self.max_l = max(_round_up(length, 256), self.max_l)
+        self.max_t = max(_round_up(steps, 64), self.max_t)
+        self.with_hidden = self.with_hidden or hidden
         B, Lm, T, dev = self.max_b, self.max_l, self.max_t, self.device
         self.kv = None  # free the old cache before allocating the new one
+        # zeros, not empty: masked slots enter attention as 0 * value, and 0 * NaN garbage would be NaN
         self.kv = torch.zeros(self.n_layers, 2, B, self.n_kv, Lm, self.head_dim, dtype=self.dtype, device=dev)
-        self.valid = torch.zeros(B, Lm, dtype=torch.bool, device=dev)  # prompt slots a query may attend to
         self.slot_ids = torch.arange(Lm, device=dev)
-        self.pos0 = torch.zeros(B, dtype=torch.long, device=dev)  # position of the first response token
+        self.pos0 = torch.zeros(B, dtype=torch.long, device=dev)  # prompt length = slot of response token 0
         self.h = torch.zeros(B, self.hidden_size, device=dev)  # final-norm hidden state of the current state
         self.step = torch.zeros(1, dtype=torch.long, device=dev)
-        self.u = torch.zeros(B, T, dtype=torch.float64, device=dev)
+        self.u = torch.zeros(B, T, device=dev)  # fp32: what the sampler reads
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
         self.out_tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         self.out_logp = torch.zeros(B, T, device=dev)
         self.out_mask = torch.zeros(B, T, device=dev)
         self.out_hidden = torch.zeros(B, T, self.hidden_size, device=dev) if self.with_hidden else None
+        if self.attention == "flex":  # the block mask's per-row state, updated in place by each step
+            nb = Lm // FLEX_BLOCK
+            self.flex_pos = torch.zeros(B, dtype=torch.long, device=dev)
+            self.flex_blocks = torch.zeros(B, 1, 1, dtype=torch.int32, device=dev)
+            self.flex_indices = torch.arange(nb, dtype=torch.int32, device=dev).expand(B, 1, 1, nb).contiguous()
+            self._block_masks.clear()
 
     # ---- the model -----------------------------------------------------------------------------------
 
@@ -492,65 +653,90 @@ class StaticEngine:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.rope_scale)[:, :, None], (emb.sin() * self.rope_scale)[:, :, None]
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Grouped-query attention without repeating the cache: the query heads that share a kv head are
-        stacked along the query axis.  q [n, S, heads, d], k/v [n, kv_heads, Lk, d], bias [n, 1, rep S, Lk]
-        -> [n, S, heads d]"""
+    def _sdpa_backends(self, prefill: bool) -> list:
+        """The SDPA kernels allowed: prefill (causal, no mask) flash then memory-efficient; decode (a length
+        mask) memory-efficient; the math kernel last; never cuDNN. The CPU has its own."""
+        from torch.nn.attention import SDPBackend
+
+        if self.device.type != "cuda":
+            return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+        if prefill:
+            return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """One query per row over its valid slots, the query heads of a kv head packed as that head's queries.
+        q [n, 1, heads, d], k/v [n, kv_heads, Lk, d], valid [n, Lk] bool -> [n, 1, heads d]"""
+        from torch.nn.attention import sdpa_kernel
+
+        n = q.shape[0]
+        qg = q[:, 0].unflatten(1, (self.n_kv, self.rep))  # [n, kv, rep, d]: head h reads kv head h // rep
+        with sdpa_kernel(self._sdpa_backends(prefill=False)):
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=self.scale)
+        return o.reshape(n, 1, self.n_heads * self.head_dim)
+
+    def _block_mask(self, n: int) -> Any:
+        """flex_attention's BlockMask for n rows over all slots: row b reads its first flex_blocks[b] blocks of
+        FLEX_BLOCK slots, and inside them the slots <= flex_pos[b]. Both tensors are buffers that the decode
+        step rewrites in place, so one mask (and one graph) serves every step."""
+        if n not in self._block_masks:
+            from torch.nn.attention.flex_attention import BlockMask
+
+            pos = self.flex_pos
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= pos[b]
+
+            self._block_masks[n] = BlockMask.from_kv_blocks(
+                self.flex_blocks[:n],
+                self.flex_indices[:n],
+                BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
+                mask_mod=mask_mod,
+                seq_lengths=(1, self.max_l),
+            )
+        return self._block_masks[n]
+
+    def _flex_decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> torch.Tensor:
+        """The decode attention of attention="flex": only each row's valid blocks are read (flex decoding with
+        grouped-query heads).  q [n, 1, heads, d], k/v [n, kv_heads, L, d] -> [n, 1, heads d]"""
+        n = q.shape[0]
+        o = self._flex(q.transpose(1, 2), k, v, block_mask=mask, enable_gqa=True, scale=self.scale)  # [n, h, 1, d]
+        return o.transpose(1, 2).reshape(n, 1, self.n_heads * self.head_dim)
+
+    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over right-padded prompts.  q [n, S, heads, d], k/v [n, kv_heads, S, d] -> [n, S, heads d]"""
+        from torch.nn.attention import sdpa_kernel
+
         n, S = q.shape[:2]
-        qg = q.unflatten(2, (self.n_kv, self.rep)).permute(0, 2, 3, 1, 4).reshape(n, self.n_kv, self.rep * S, -1)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)  # [n, kv, rep S, d]
-        return o.unflatten(2, (self.rep, S)).permute(0, 3, 1, 2, 4).reshape(n, S, self.n_heads * self.head_dim)
-
-    def _forward(
-        self,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        slots: torch.Tensor,
-        allowed: torch.Tensor,
-        pre: Callable,
-        post: Callable,
-    ) -> torch.Tensor:
-        """Run S tokens per row through the model, writing their keys and values at cache `slots`.
-
-        ids, pos [n, S]; slots [S]; allowed [n, S, Lk] bool: which cache slots each query may attend to.
-        Returns the final-norm hidden state of each row's last token, fp32 [n, H].
-        """
-        n, S = ids.shape
-        Lk = allowed.shape[-1]
-        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=ids.device).masked_fill_(~allowed, float("-inf"))
-        bias = bias[:, None].repeat(1, 1, self.rep, 1)  # [n, 1, rep S, Lk]: row r S + i is query i
-        x = F.embedding(ids, self.embed)  # fp32 [n, S, H]
-        cos, sin = self._rope(pos)
-        for i in range(self.n_layers):
-            q, kv = pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv)
-            cache = self.kv[i, :, :n]  # [2, n, kv_heads, L, d]
-            cache.index_copy_(3, slots, kv)
-            o = self._attend(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], bias)
-            x = post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
-        return F.rms_norm(x[:, -1], (self.hidden_size,), self.norm_w, self.eps)
+        k, v = (x.repeat_interleave(self.rep, dim=1) for x in (k, v))  # [n, heads, S, d]
+        with sdpa_kernel(self._sdpa_backends(prefill=True)):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.scale)
+        return o.transpose(1, 2).reshape(n, S, self.n_heads * self.head_dim)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, V] from fp32 hidden states [n, H]: the LM head in the compute dtype, fp32 out."""
         if self.dtype == torch.float32:
             return F.linear(h, self.head)
-        if self._logits_fp32_out:
-            return torch.mm(h.to(self.dtype), self.head.t(), out_dtype=torch.float32)
-        return F.linear(h.to(self.dtype), self.head).float()
+        return matmul_fp32_out(h.to(self.dtype), self.head.t())
 
-    def _prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        """The prompts [n, P] (left-padded) into cache slots [0, P); self.h gets the state before token 0."""
+    def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Right-padded prompts [n, P] into cache slots [0, P) (slot = position); self.h gets each row's state
+        before its first response token (the final-norm hidden state at slot length - 1).  lengths [n] >= 1"""
         n, P = ids.shape
-        valid = mask.bool()
-        causal = torch.ones(P, P, dtype=torch.bool, device=ids.device).tril()
-        allowed = causal & valid[:, None, :]  # [n, P, P]
-        allowed |= torch.eye(P, dtype=torch.bool, device=ids.device)  # padding queries see themselves: no NaN
-        pos = position_ids_from_mask(mask)
-        self.h[:n] = self._forward(ids, pos, self.slot_ids[:P], allowed, _llama_pre_attention, _llama_post_attention)
+        pos = self.slot_ids[:P].expand(n, P)
+        x = F.embedding(ids, self.embed)  # fp32 [n, P, H]
+        cos, sin = self._rope(pos)
+        for i in range(self.n_layers):
+            q, kv = self._prefill_pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv)
+            self.kv[i, :, :n, :, :P] = kv
+            o = self._prefill_attention(q, kv[0], kv[1])
+            x = self._prefill_post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
+        last = x[torch.arange(n, device=ids.device), lengths - 1]  # [n, H]
+        self.h[:n] = F.rms_norm(last, (self.hidden_size,), self.norm_w, self.eps)
 
     def _decode_step(
         self,
         n: int,
-        P: int,
         Lk: int,
         greedy: bool,
         temperature: float,
@@ -565,74 +751,149 @@ class StaticEngine:
         if hidden:
             self.out_hidden[:n].index_copy_(1, t, h[:, None])
         u = None if greedy else self.u[:n].index_select(1, t)[:, 0]
-        token, logp = sample_tokens(self._logits(h), u, temperature, top_p)
+        token, logp, short = sample_tokens_fp32(self._logits(h), u, temperature, top_p, self.top_k)
         fin = self.finished[:n]
+        self.short_rows += (short & ~fin).sum()
         token = torch.where(fin, torch.full_like(token, pad_id), token)
         self.out_tokens[:n].index_copy_(1, t, token[:, None])
         self.out_logp[:n].index_copy_(1, t, torch.where(fin, torch.zeros_like(logp), logp)[:, None])
         self.out_mask[:n].index_copy_(1, t, (~fin).float()[:, None])
         fin |= token == eos_id  # in place: self.finished
-        # the token enters the model at cache slot P + t, position pos0 + t; its hidden state is the next state
-        slot = t + P
-        ar = self.slot_ids[:Lk]
-        allowed = self.valid[:n, :Lk] | ((ar >= P) & (ar <= slot))  # [n, Lk]
-        pos = (self.pos0[:n] + t)[:, None]
-        self.h[:n] = self._forward(token[:, None], pos, slot, allowed[:, None], self._pre, self._post)
+        # the token enters the model at slot = position = prompt length + t; its hidden state is the next state
+        pos = self.pos0[:n] + t  # [n]
+        x = F.embedding(token[:, None], self.embed)  # fp32 [n, 1, H]
+        cos, sin = self._rope(pos[:, None])
+        valid = self.slot_ids[:Lk] <= pos[:, None]  # [n, Lk]: each row's slots [0, position]
+        where = pos.view(1, n, 1, 1, 1).expand(2, n, self.n_kv, 1, self.head_dim)
+        mask = None
+        if self._flex is not None:
+            self.flex_pos[:n] = pos
+            self.flex_blocks[:n, 0, 0] = (pos // FLEX_BLOCK + 1).to(torch.int32)
+            mask = self._block_mask(n)
+        for i in range(self.n_layers):
+            q, kv = self._pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv)
+            cache = self.kv[i, :, :n]  # [2, n, kv_heads, L, d]
+            cache.scatter_(3, where, kv)
+            if mask is not None:
+                o = self._flex_decode_attention(q, cache[0], cache[1], mask)
+            else:
+                o = self._decode_attention(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], valid)
+            x = self._post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
+        self.h[:n] = F.rms_norm(x[:, -1], (self.hidden_size,), self.norm_w, self.eps)
         self.step.add_(1)
 
     # ---- graphs --------------------------------------------------------------------------------------
 
-    def _chunk_lengths(self, P: int, T: int) -> list[int]:
-        """Attention widths: step t attends over the first P + 64 k slots, the smallest k with 64 k > t."""
-        return [P + min(T, c) for c in range(self.kv_chunk, T + self.kv_chunk, self.kv_chunk)]
+    def _widths(self, longest_prompt: int, T: int) -> list[int]:
+        """Lk of each step t: the longest row's length (prompt + t + 1) rounded up to kv_chunk. With flex
+        attention the block mask bounds each row: one width (one graph) for all steps."""
+        if self._flex is not None:
+            return [self.max_l] * T
+        return [min(self.max_l, _round_up(longest_prompt + t + 1, self.kv_chunk)) for t in range(T)]
 
-    def _step_fns(self, key: tuple, n: int, P: int, T: int) -> dict[int, Callable]:
-        """{Lk: a callable that runs one decode step}: CUDA graph replays on a GPU, eager calls elsewhere."""
-        _, _, _, greedy, temperature, top_p, eos_id, pad_id, hidden = key
+    def _safe_state(self, n: int) -> None:
+        """A state that warm-up and capture may run on: step 0, slot 0 (they scribble; generate resets after)."""
+        self.step.zero_()
+        self.pos0[:n].zero_()
+        self.finished[:n].zero_()
 
-        def eager(Lk: int) -> Callable:
-            return functools.partial(self._decode_step, n, P, Lk, greedy, temperature, top_p, eos_id, pad_id, hidden)
-
+    def _step_fns(self, settings: tuple, n: int, widths: Sequence[int]) -> dict[int, Callable]:
+        """{Lk: a callable that runs one decode step}: CUDA graph replays on a GPU, eager calls elsewhere.
+        Captures the graphs this call needs and does not have yet (before the call sets its state)."""
+        fns = {Lk: functools.partial(self._decode_step, n, Lk, *settings) for Lk in sorted(set(widths))}
         if not self.cuda_graph:
-            return {Lk: eager(Lk) for Lk in self._chunk_lengths(P, T)}
-        if key in self.graphs:
-            return self.graphs[key]
-        if len(self.graphs) >= 32:  # bound the memory held by graphs of shapes seen once
-            self.graphs.clear()
+            return fns
         t0 = time.perf_counter()
-        fns: dict[int, Callable] = {}
-        for Lk in self._chunk_lengths(P, T):
-            fn = eager(Lk)
-            try:
-                self._warm_up(fn)
-            except Exception as e:  # an inductor or triton failure must not stop training: run the eager step
-                if not self.compile:
-                    raise
-                runtime._notice_once(
-                    f"torch.compile of the decode step failed ({type(e).__name__}: {e}); using eager layers"
-                )
-                self.compile = False
-                self._pre, self._post = self._layer_fns(False)
-                self._warm_up(fn)
-            graph = torch.cuda.CUDAGraph()
-            self.step.zero_()
-            with torch.cuda.graph(graph, pool=self.pool):
-                fn()
-            fns[Lk] = graph.replay
-        torch.cuda.synchronize(self.device)
+        for Lk, fn in fns.items():
+            key = (n, Lk, *settings)
+            if key not in self.graphs:
+                replay = self._capture(fn, n)
+                if replay is None:  # the capture failed: the eager step from now on
+                    return fns
+                self.graphs[key] = replay
+            fns[Lk] = self.graphs[key]
         self.compile_seconds += time.perf_counter() - t0
-        self.graphs[key] = fns
         return fns
 
-    def _warm_up(self, fn: Callable) -> None:
-        """Run a step a few times on a side stream before capture (compiles, and lets libraries allocate)."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+    def _warm_up(self, fn: Callable, n: int) -> None:
+        """Run a step a few times (compiles, lets libraries allocate); a compile failure falls back to eager layers."""
+        try:
             for _ in range(3):
-                self.step.zero_()
+                self._safe_state(n)
                 fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        except Exception as e:  # an inductor or triton failure must not stop training: run the eager layers
+            if not self.compile:
+                raise
+            runtime._notice_once(
+                f"torch.compile of the decode step failed ({type(e).__name__}: {e}); using eager layers"
+            )
+            self.compile = False
+            self._set_layer_fns(False)
+            self._safe_state(n)
+            fn()
+
+    def _capture(self, fn: Callable, n: int) -> Callable | None:
+        """Warm up and capture one decode step on a side stream; its replay, or None (with one notice) when the
+        capture fails. The stream is entered here and always left, whatever capture_begin or the step raise."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(side):
+                self._warm_up(fn, n)
+                self._safe_state(n)
+                torch.cuda.synchronize(self.device)  # as torch.cuda.graph does: nothing pending enters the capture
+                graph.capture_begin(pool=self.pool)
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+        except Exception as e:
+            current.wait_stream(side)
+            runtime._notice_once(
+                f"CUDA graph capture of the decode step failed ({type(e).__name__}: {e}); running it eagerly"
+            )
+            self.cuda_graph = False
+            self.release_graphs()
+            return None
+        current.wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        self.captures += 1
+        return graph.replay
+
+    def _clock(self) -> float:
+        if self.timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def attention_backends(self, rows: int, Lk: int, prompt_width: int) -> dict[str, str]:
+        """The SDPA kernel PyTorch picks, under this engine's pinned backends, for a decode step over Lk slots
+        and a prefill of prompt_width tokens, at `rows` rows (dummy tensors of those shapes, nothing cached)."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {int(v): k for k, v in SDPBackend.__members__.items()}
+        d, dev, dt = self.head_dim, self.device, self.dtype
+        q = torch.zeros(rows, self.n_kv, self.rep, d, dtype=dt, device=dev)
+        k = torch.zeros(rows, self.n_kv, Lk, d, dtype=dt, device=dev)
+        mask = torch.ones(rows, 1, 1, Lk, dtype=torch.bool, device=dev)
+        qp = torch.zeros(rows, self.n_heads, prompt_width, d, dtype=dt, device=dev)
+        out = {}
+        for name, args, causal, prefill in (
+            ("decode", (q, k, k, mask), False, False),
+            ("prefill", (qp, qp, qp, None), True, True),
+        ):
+            with sdpa_kernel(self._sdpa_backends(prefill=prefill)):
+                try:
+                    choice = torch._fused_sdp_choice(*args, dropout_p=0.0, is_causal=causal, scale=self.scale)
+                    out[name] = names.get(int(choice), str(choice))
+                except Exception as e:  # a private API: report, do not fail
+                    out[name] = f"unknown ({type(e).__name__}: {e})"
+        out["allowed_decode"] = ",".join(b.name for b in self._sdpa_backends(prefill=False))
+        out["allowed_prefill"] = ",".join(b.name for b in self._sdpa_backends(prefill=True))
+        return out
 
     # ---- generation ----------------------------------------------------------------------------------
 
@@ -650,7 +911,7 @@ class StaticEngine:
         return_hidden: bool = False,
         prompt_multiple: int = 1,
     ) -> Rollout:
-        """What common.generate returns, computed over the static cache. Arguments as common.generate."""
+        """What engine.generate returns, computed over the static cache. Arguments as engine.generate."""
         with torch.inference_mode(False), torch.autocast(self.device.type, enabled=False):
             return self._generate(
                 prompts, max_new_tokens, eos_id, pad_id, uniforms, temperature, top_p, return_hidden, prompt_multiple
@@ -670,41 +931,51 @@ class StaticEngine:
     ) -> Rollout:
         dev = self.device
         prompt_ids, prompt_mask = left_pad(prompts, pad_id, prompt_multiple)  # what the Rollout reports
-        b, p = prompt_ids.shape
-        n, P = _round_up(b, self.batch_multiple), _round_up(p, self.prompt_bucket)
-        Tb = _round_up(T, self.kv_chunk)  # shapes use Tb; the loop stops after T steps
-        self._ensure_buffers(n, P + Tb, Tb, return_hidden)
+        b = prompt_ids.shape[0]
+        lengths = [max(1, len(s)) for s in prompts] + [1] * (self.rows_for(b) - b)  # an extra row: one pad token
+        n, longest = len(lengths), max(lengths)
+        self.reserve(n, longest, T, return_hidden)
         self.refresh()
-        key = (n, P, Tb, uniforms is None, float(temperature), float(top_p), int(eos_id), int(pad_id), return_hidden)
-        step_fns = self._step_fns(key, n, P, Tb)  # captures before the state is set: warm-up scribbles on it
+        settings = (uniforms is None, float(temperature), float(top_p), int(eos_id), int(pad_id), return_hidden)
+        widths = self._widths(longest, T)
+        step_fns = self._step_fns(settings, n, widths)  # captures before the state is set: warm-up scribbles
 
-        # the state: prompts in the bucket's width, extra rows finished from the start
+        # the state: prompts right-padded (slot = position), extra rows finished from the start
+        P = _round_up(longest, self.prompt_bucket)
         ids = torch.full((n, P), pad_id, dtype=torch.long)
-        mask = torch.zeros((n, P), dtype=torch.long)
-        ids[:b, P - p :], mask[:b, P - p :] = prompt_ids, prompt_mask
-        mask[b:, -1] = 1  # an extra row holds one pad token, so that its attention is well defined
-        ids, mask = ids.to(dev), mask.to(dev)
-        self.valid[:n].zero_()
-        self.valid[:n, :P] = mask.bool()
-        self.pos0[:n] = mask.sum(-1)
+        for i, s in enumerate(prompts):
+            ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+        ids, lens = ids.to(dev), torch.tensor(lengths, device=dev)
+        self.pos0[:n] = lens
         self.finished[:n] = torch.arange(n, device=dev) >= b
         self.step.zero_()
+        self.short_rows.zero_()
         self.u[:n].zero_()
         if uniforms is not None:
-            self.u[:b, :T] = uniforms[:, :T].to(device=dev, dtype=torch.float64)
+            self.u[:b, :T] = uniforms[:, :T].to(device=dev, dtype=torch.float32)
         self.out_tokens[:n].fill_(pad_id)
         self.out_logp[:n].zero_()
         self.out_mask[:n].zero_()
         if return_hidden:
             self.out_hidden[:n].zero_()
 
-        self._prefill(ids, mask)
-        chunks = self._chunk_lengths(P, Tb)
+        t0 = self._clock()
+        self._prefill(ids, lens)
+        t1 = self._clock()
+        steps = 0
         for t in range(T):
-            step_fns[chunks[t // self.kv_chunk]]()
+            step_fns[widths[t]]()
+            steps += 1
             if (t + 1) % self.check_every == 0 and t + 1 < T and bool(self.finished[:n].all()):
                 break
+        if self.timing:
+            self.last_timing = {"prefill_s": t1 - t0, "decode_s": self._clock() - t1, "steps": steps, "rows": n}
         t_used = max(1, int(self.out_mask[:b].sum(-1).max().item()))
+        if self.top_k and top_p < 1.0 and int(self.short_rows.item()):
+            runtime._notice_once(
+                f"top-p {top_p}: the {self.top_k} most likely tokens held less than top_p of the mass in some rows "
+                f"(sampled among those {self.top_k}); StaticEngine(top_k=0) samples exactly"
+            )
         hidden = self.out_hidden[:b, :t_used].clone() if return_hidden else None
         return Rollout(
             prompt_ids=prompt_ids.to(dev),
@@ -716,17 +987,14 @@ class StaticEngine:
         )
 
 
-_ENGINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def static_engine(lm: nn.Module) -> StaticEngine:
-    """The StaticEngine of a model, made on first use and kept (with its buffers and graphs) while it lives."""
-    lm = runtime.unwrap(lm)
-    engine = _ENGINES.get(lm)
-    device = next(lm.parameters()).device
-    if engine is None or engine.device != device or engine.vocab != lm.model.embed_tokens.weight.shape[0]:
-        engine = _ENGINES[lm] = StaticEngine(lm)
-    return engine
+def reserve_generation(
+    model: nn.Module, rows: int, prompt_tokens: int, new_tokens: int, return_hidden: bool = False
+) -> None:
+    """Size the static engine of `model` for the largest generate() call of a run (its evaluation, say), so
+    that it allocates and captures once. Does nothing where generate() would not use the static engine."""
+    lm = runtime.unwrap(model)
+    if next(lm.parameters()).device.type == "cuda" and static_engine_unsupported(lm) is None:
+        StaticEngine.of(lm).reserve(rows, prompt_tokens, new_tokens, return_hidden)
 
 
 # ======================================================================================================
@@ -743,58 +1011,87 @@ def decode_responses(tokenizer: Any, rollout: Rollout) -> tuple[list[str], list[
 class _TokenLogProbs(torch.autograd.Function):
     """log softmax(h W^T / temperature)[target], in chunks: the [N, V] fp32 logits never exist whole.
 
-    The backward recomputes each chunk's logits (grad wrt logits = (onehot - p) * g / temperature).
+    The GEMMs run in `dtype` with fp32 accumulation and fp32 results (matmul_fp32_out): bf16 under a GPU's
+    autocast, as the engine's LM head, so that rollout and training log-probs differ by the trunk's kernels
+    only; the hidden states' own dtype elsewhere (fp32 on the CPU: the same ops as before, bit for bit). The
+    softmax is fp32 either way. The backward recomputes each chunk's logits (grad wrt logits =
+    (onehot - p) * g / temperature); grad_w accumulates in fp32 over the chunks.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int):  # [N, H], [V, H], [N]
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, dtype: torch.dtype):  # [N, H], [V, H]
         out = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
         ent = torch.empty_like(out)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(hidden.dtype)
+            w = weight.to(dtype)
             for i in range(0, hidden.shape[0], chunk):
-                logits = (hidden[i : i + chunk] @ w.T).float() / temperature  # [n, V]
+                logits = _head_logits(hidden[i : i + chunk], w, dtype) / temperature  # fp32 [n, V]
                 logp = torch.log_softmax(logits, dim=-1)
                 out[i : i + chunk] = logp.gather(-1, targets[i : i + chunk, None]).squeeze(-1)
                 ent[i : i + chunk] = -(logp.exp() * logp).sum(-1)
         ctx.save_for_backward(hidden, weight, targets)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
         ctx.mark_non_differentiable(ent)
         return out, ent
 
     @staticmethod
     def backward(ctx, grad_out, grad_ent):
         hidden, weight, targets = ctx.saved_tensors
+        dtype = ctx.dtype
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = (
             torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         )
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(hidden.dtype)
+            w = weight.to(dtype)
             for i in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[i : i + ctx.chunk]
-                logits = (h @ w.T).float() / ctx.temperature
+                logits = _head_logits(h, w, dtype) / ctx.temperature
                 g = -torch.softmax(logits, dim=-1)
                 g.scatter_add_(-1, targets[i : i + ctx.chunk, None], torch.ones_like(g[:, :1]))
                 g = g * (grad_out[i : i + ctx.chunk, None] / ctx.temperature)  # [n, V] grad wrt logits
-                if grad_h is not None:
-                    grad_h[i : i + ctx.chunk] = (g.to(h.dtype) @ w).to(grad_h.dtype)
-                if grad_w is not None:
-                    grad_w += g.T @ h.float()
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+                if dtype == hidden.dtype:  # the hidden states' own dtype (fp32 on the CPU): unchanged
+                    if grad_h is not None:
+                        grad_h[i : i + ctx.chunk] = (g.to(h.dtype) @ w).to(grad_h.dtype)
+                    if grad_w is not None:
+                        grad_w += g.T @ h.float()
+                else:  # low-precision inputs, fp32 accumulation and results
+                    g_low = g.to(dtype)
+                    if grad_h is not None:
+                        grad_h[i : i + ctx.chunk] = matmul_fp32_out(g_low, w).to(grad_h.dtype)
+                    if grad_w is not None:
+                        grad_w += matmul_fp32_out(g_low.T, h.to(dtype))
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def _head_logits(h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 logits of hidden states h [n, H] under the head w [V, H] (already in `dtype`) -> [n, V]"""
+    if dtype == h.dtype:
+        return (h @ w.T).float()  # the same op as always
+    return matmul_fp32_out(h.to(dtype), w.T)
+
+
+def head_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The LM head's GEMM dtype in the training forward: autocast's (bf16) on a GPU under autocast, else the
+    hidden states' own (fp32 on the CPU)."""
+    if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return hidden.dtype
 
 
 def token_logprobs_from_hidden(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk: int = 1024
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies from hidden states and the LM head.  [N, H], [V, H], [N] -> [N], [N]"""
-    return _TokenLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk))
+    """Per-token log-probs and entropies from hidden states and the LM head.  [N, H], [V, H], [N] -> [N], [N]
 
-
-def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature)[target], log-softmax in fp32.  [..., V], [...] -> [...]"""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    dtype: of the head's GEMMs (default head_dtype(hidden)); accumulation and the softmax are fp32."""
+    dtype = head_dtype(hidden) if dtype is None else dtype
+    return _TokenLogProbs.apply(hidden, weight, targets, float(temperature), int(chunk), dtype)
 
 
 def trim_padding(

@@ -2,9 +2,10 @@
 
 GRPO's baseline is a Monte Carlo estimate of the prompt's value: unbiased, but it costs G rollouts per
 prompt and is noisy at G = 8. Every `--mc-every` steps this script measures that noise with K fresh
-rollouts per prompt, through the same common.baseline_report as ppo.py's critic, so that a critic's error
-and the group mean's noise sit on one scale. It also logs the share of groups whose rewards are all equal:
-those carry no learning signal, which on a weak model decides everything.
+rollouts from the prompt and from states inside the completions, through the same common.monte_carlo as
+ppo.py's critic, so that a critic's error and the group mean's noise sit on one scale (docs/measurement.md).
+It also logs the share of groups whose rewards are all equal: those carry no learning signal, which on a weak
+model decides everything.
 
 Options: `--scale-rewards none` drops the division by the group's std (Dr. GRPO); `--loss-norm` token,
 sequence (the original) or constant (Dr. GRPO); `--baseline loo` uses the leave-one-out mean (RLOO).
@@ -124,9 +125,11 @@ class Args:
     mc_every: int = 10
     """measure the baseline against Monte Carlo every this many steps (0: never)"""
     mc_samples: int = 8
-    """fresh Monte Carlo rollouts per measured state (K)"""
+    """Monte Carlo rollouts per measured state (K), apart from the group"""
     mc_prompts: int = 32
     """prompts of the step measured, over all ranks"""
+    mc_states: int = 2
+    """states drawn uniformly inside each measured completion besides its prompt (token-weighted; VinePPO)"""
 
     # --- evaluation and checkpoints ---
     eval_every: int = 25
@@ -179,7 +182,15 @@ def main() -> None:
         raise runtime.UserError(
             f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
         )
-    args.completions_per_step = args.batch_size * args.group_size
+    if args.mc_every and args.mc_states < 0:
+        raise runtime.UserError(f"--mc-states {args.mc_states} must be at least 0")
+    if args.mc_every and args.mc_states > max(0, args.max_new_tokens - 1):  # a completion has T - 1 inside states
+        runtime._notice_once(
+            f"--mc-states {args.mc_states} exceeds the {max(0, args.max_new_tokens - 1)} states inside a completion "
+            f"of --max-new-tokens {args.max_new_tokens}: clamped to {max(0, args.max_new_tokens - 1)}"
+        )
+        args.mc_states = max(0, args.max_new_tokens - 1)
+    args.completions_per_step = args.batch_size * args.group_size  # over all ranks; groups stay on one rank
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     args.completions_per_rank = args.completions_per_step // world
     runtime.check_divides("completions per rank", args.completions_per_rank, args.num_minibatches, "--num-minibatches")
@@ -311,48 +322,39 @@ def main() -> None:
         kl_tok = common.kl_estimate(old_logp, ref_logp, "k1") * rmask if ref is not None else torch.zeros_like(old_logp)
 
         # --- 4. ALGO LOGIC: advantages ------------------------------------------------------------------------
-        centred = common.group_advantages(scores, G, "none", args.baseline)  # [B]: r - baseline
-        baseline_values = scores - centred  # [B]: the baseline each completion is compared with
         seq_adv = common.group_advantages(scores, G, args.scale_rewards, args.baseline)  # [B]
         advantages = seq_adv[:, None] * rmask  # [B, T]: every token of a completion shares its advantage
         groups_equal = (scores.view(-1, G).std(-1) == 0).float()  # [B / G]: no learning signal
 
         # --- 5. ALGO LOGIC: the baseline measured against Monte Carlo, every mc_every steps -------------------
-        if args.mc_every and step % args.mc_every == 0:  # measure the baseline against Monte Carlo
+        if args.mc_every and step % args.mc_every == 0:  # measure the group's baseline against Monte Carlo
             t_mc = time.time()
-            k, n_meas = args.mc_samples, args.mc_prompts // world
             measured = common.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
-            rows = [i * G for i in measured]  # one row per measured prompt
-            mc_u = engine.step_uniforms(args.seed, step, 1, args.mc_prompts * k, args.max_new_tokens, device)
-            mc_u = mc_u[dist_.rank * n_meas * k : (dist_.rank + 1) * n_meas * k]
-            p_hat, mc_tok = common.mc_values(
+            rows = [i * G for i in measured]  # one completion per measured prompt
+            T = rmask.shape[1]
+            group_mean = (scores - common.group_advantages(scores, G, "none", "mean")).cpu()  # [B]
+            loo = (scores - common.group_advantages(scores, G, "none", "loo")).cpu()  # [B]
+            report, mc_tok = common.monte_carlo(
                 policy_gen,
                 tokenizer,
-                [prompts[r] for r in rows],
-                [[] for _ in rows],
-                [golds[r] for r in rows],
-                task=args.task,
-                k=k,
+                prompts=[prompts[r] for r in rows],
+                responses=[ids[r] for r in rows],
+                golds=[golds[r] for r in rows],
+                groups=[local_idx[r] for r in rows],
+                row_ids=[lo * G + r for r in rows],
+                # the baseline of every token of a completion: its group's mean, and the mean of the other G - 1
+                baselines={"group": group_mean[rows, None].expand(-1, T), "loo": loo[rows, None].expand(-1, T)},
+                states=args.mc_states,
+                k=args.mc_samples,
                 max_new_tokens=args.max_new_tokens,
-                uniforms=mc_u,
+                seed=args.seed,
+                step=step,
+                task=args.task,
                 temperature=args.temperature,
                 top_p=args.top_p,
             )
-            members = torch.tensor([r + i for r in rows for i in range(G)])  # the measured groups
-            local = {
-                "pred": baseline_values.cpu()[members],
-                "mc": p_hat.repeat_interleave(G),
-                "ret": scores.cpu()[members],
-                "adv": centred.cpu()[members],
-                "group": torch.tensor([local_idx[r] for r in members.tolist()]),
-            }
-            gathered = runtime.all_gather_objects(local)
-            cat = {key: torch.cat([g[key] for g in gathered]) for key in local}
-            report = common.baseline_report(cat["pred"], cat["mc"], cat["ret"], cat["adv"], k, cat["group"])
             metrics.update({f"mc/{key}": v for key, v in report.items()})
-            mc_tok = int(runtime.all_reduce_sum(torch.tensor(float(mc_tok))).item())
             counters["mc_tokens"] += mc_tok
-            metrics["mc/tokens"] = mc_tok
             metrics["mc/seconds"] = time.time() - t_mc
 
         # --- 6. update: update_epochs passes of num_minibatches optimiser steps over the same global rows -----
@@ -389,7 +391,7 @@ def main() -> None:
                             "pg_loss": pg_loss * m,
                             "clipfrac": clipped * m,
                             "entropy": entropy * m,
-                            "approx_kl": common.kl_estimate(logp, old_logp[rows], "k3") * m,
+                            "approx_kl": common.kl_estimate(old_logp[rows], logp, "k3") * m,  # KL(old || new)
                             "tokens": m,
                         }
                         for key, v in stats.items():
@@ -416,6 +418,7 @@ def main() -> None:
         n, n_tok = total["completions"], total["tokens"]
         gen_tokens = int(total["response_len"])
         counters["generated_tokens"] += gen_tokens
+        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(n_tok)  # completion tokens x epochs
         counters["step"] = step + 1
         metrics.update(
             {
@@ -466,12 +469,14 @@ def main() -> None:
     if dist_.main:
         results = {
             "method": "grpo",
-            "variant": "group",
+            "variant": "group" if args.scale_rewards == "group" else "group-unscaled",
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
+            "trained_tokens": counters.get("trained_tokens", 0),
+            "policy_params": runtime.count_params(policy),
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
             "critic_params": runtime.count_params(critic),

@@ -3,8 +3,8 @@
 PPO's baseline is a learned value function, the one baseline of the three methods here that can be
 wrong. `--critic` picks its capacity (critics.py): none (REINFORCE with a batch-mean baseline), small,
 medium and large heads on the policy's own hidden states, or a full separate transformer. Every
-`--mc-every` steps the critic's values and the advantages it implies are compared with Monte Carlo
-estimates from fresh rollouts, raw and with the constant offset removed (what whitening discards).
+`--mc-every` steps the critic's values at token-weighted states are compared with Monte Carlo estimates
+from fresh rollouts (common.monte_carlo), raw and with the constant offset removed (docs/measurement.md).
 
 Simplifications, said plainly: one reward at the final token (gamma = lambda = 1 by default); the
 rollout's own log-probs are the old log-probs (no extra forward; --recompute-logprobs adds one).
@@ -130,6 +130,10 @@ class Args:
     """whiten advantages over the whole batch (all ranks)"""
     kl_mode: Literal["loss", "reward"] = "loss"
     """where the KL to the reference goes: loss (k3, as GRPO) or reward (k1 per token, as classic RLHF PPO)"""
+    critic_warmup_steps: int = 0
+    """the first N steps update the critic only (value loss; the policy does not move), as VAPO's value
+    pretraining: a critic's capacity is then not confounded with how fast a head learns from zero. The steps
+    count toward --total-steps, the token budget and the learning-rate schedule"""
 
     # --- measurement against Monte Carlo ---
     mc_every: int = 10
@@ -138,8 +142,8 @@ class Args:
     """fresh Monte Carlo rollouts per measured state (K)"""
     mc_prompts: int = 32
     """prompts of the step measured, over all ranks"""
-    mc_states: int = 0
-    """extra states inside each measured completion (a prefix, then K continuations), as VinePPO"""
+    mc_states: int = 2
+    """states drawn uniformly inside each measured completion besides its prompt (token-weighted; VinePPO)"""
 
     # --- evaluation and checkpoints ---
     eval_every: int = 25
@@ -190,7 +194,19 @@ def main() -> None:
         raise runtime.UserError(
             f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
         )
-    args.completions_per_step = args.batch_size * args.group_size
+    if args.mc_every and args.mc_states < 0:
+        raise runtime.UserError(f"--mc-states {args.mc_states} must be at least 0")
+    if args.mc_every and args.mc_states > max(0, args.max_new_tokens - 1):  # a completion has T - 1 inside states
+        runtime._notice_once(
+            f"--mc-states {args.mc_states} exceeds the {max(0, args.max_new_tokens - 1)} states inside a completion "
+            f"of --max-new-tokens {args.max_new_tokens}: clamped to {max(0, args.max_new_tokens - 1)}"
+        )
+        args.mc_states = max(0, args.max_new_tokens - 1)
+    if args.critic_warmup_steps < 0 or (args.critic_warmup_steps and args.critic == "none"):
+        raise runtime.UserError(
+            f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic and a count of at least 0"
+        )
+    args.completions_per_step = args.batch_size * args.group_size  # over all ranks
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     args.completions_per_rank = args.completions_per_step // world
     runtime.check_divides("completions per rank", args.completions_per_rank, args.num_minibatches, "--num-minibatches")
@@ -348,64 +364,57 @@ def main() -> None:
             )
             old_values = torch.full_like(rewards, (baseline[0] / baseline[1]).item()) * rmask
         advantages, returns = common.gae(rewards, old_values, rmask, args.gamma, args.lam)  # [B, T] x2
-        raw_advantages = advantages
         if args.whiten_advantages:
             advantages = common.masked_whiten(advantages, rmask, global_=True)
 
         # --- 5. ALGO LOGIC: the baseline measured against Monte Carlo, every mc_every steps -------------------
         if args.mc_every and step % args.mc_every == 0:  # measure the baseline against Monte Carlo
             t_mc = time.time()
-            k = args.mc_samples
             measured = common.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
             rows = [i * G for i in measured]  # one completion per measured prompt
-            states = []  # (row, t): each prompt, then mc_states positions inside its completion
-            for r in rows:
-                n = int(lengths[r])
-                inside = (
-                    [max(1, (j * n) // (args.mc_states + 1)) for j in range(1, args.mc_states + 1)] if n > 1 else []
-                )
-                states += [(r, t) for t in [0, *inside]]
-            mc_u = engine.step_uniforms(
-                args.seed, step, 1, args.mc_prompts * (1 + args.mc_states) * k, args.max_new_tokens, device
-            )
-            offset = sum(runtime.all_gather_objects(len(states))[: dist_.rank]) * k
-            p_hat, mc_tok = common.mc_values(
+
+            def kl_to_go(mc_ro: engine.Rollout, used: torch.Tensor) -> torch.Tensor:  # [B]: beta * sum of k1 ahead
+                ref_lp = torch.zeros_like(mc_ro.logprobs)  # [B, T']
+                mc_len = mc_ro.attention_mask.sum(-1).cpu()
+                for mrows in engine.length_sorted_micro_batches(torch.arange(len(used)), mc_len, micro):
+                    with ctx:
+                        ref_lp[mrows] = ref_fwd(
+                            mc_ro.input_ids[mrows],
+                            mc_ro.attention_mask[mrows],
+                            mc_ro.prompt_ids.shape[1],
+                            args.temperature,
+                        )[0].float()
+                ahead = torch.arange(ref_lp.shape[1], device=device)[None, :] < used.to(device)[:, None]  # [B, T']
+                return args.kl_coef * (common.kl_estimate(mc_ro.logprobs, ref_lp, "k1") * ahead).sum(-1)
+
+            report, mc_tok = common.monte_carlo(
                 policy_gen,
                 tokenizer,
-                [prompts[r] for r, _ in states],
-                [ids[r][:t] for r, t in states],
-                [golds[r] for r, _ in states],
-                task=args.task,
-                k=k,
+                prompts=[prompts[r] for r in rows],
+                responses=[ids[r] for r in rows],
+                golds=[golds[r] for r in rows],
+                groups=[local_idx[r] for r in rows],
+                row_ids=[lo * G + r for r in rows],
+                baselines={"value": old_values[rows]},  # the critic's V(s_t), the baseline of token t
+                states=args.mc_states,
+                k=args.mc_samples,
                 max_new_tokens=args.max_new_tokens,
-                uniforms=mc_u[offset : offset + len(states) * k],
+                seed=args.seed,
+                step=step,
+                task=args.task,
                 temperature=args.temperature,
                 top_p=args.top_p,
-            )
-            r_idx = torch.tensor([r for r, _ in states])
-            t_idx = torch.tensor([t for _, t in states])
-            local = {
-                "pred": old_values.cpu()[r_idx, t_idx],
-                "mc": p_hat,
-                "ret": returns.cpu()[r_idx, t_idx],
-                "adv": raw_advantages.cpu()[r_idx, t_idx],
-                "group": torch.tensor([local_idx[r] for r, _ in states]),
-            }
-            gathered = runtime.all_gather_objects(local)
-            cat = {key: torch.cat([g[key] for g in gathered]) for key in local}
-            report = common.baseline_report(
-                cat["pred"], cat["mc"], cat["ret"], cat["adv"], k, cat["group"] if args.mc_states else None
+                penalty=kl_to_go if args.kl_mode == "reward" and ref is not None else None,  # the return it regresses
             )
             metrics.update({f"mc/{key}": v for key, v in report.items()})
-            mc_tok = int(runtime.all_reduce_sum(torch.tensor(float(mc_tok))).item())
             counters["mc_tokens"] += mc_tok
-            metrics["mc/tokens"] = mc_tok
             metrics["mc/seconds"] = time.time() - t_mc
 
         # --- 6. update: update_epochs passes of num_minibatches optimiser steps over the same global rows -----
         t_update = time.time()
         sums: dict[str, torch.Tensor] = {}  # the step's named sums on this rank, reduced once in 7.
         B = len(prompts)
+        warm = step < args.critic_warmup_steps  # value-only updates: the policy stays where it is
         for epoch in range(args.update_epochs):
             # the same global minibatches on one rank or N; this rank holds minibatch_size rows of each
             deal = common.minibatch_rows(
@@ -423,8 +432,8 @@ def main() -> None:
                         pg_loss, clipped = common.clipped_surrogate(
                             logp, old_logp[rows], advantages[rows], args.clip_eps
                         )
-                        loss_tok = pg_loss
-                        if args.kl_mode == "loss" and ref is not None:
+                        loss_tok = torch.zeros_like(pg_loss) if warm else pg_loss
+                        if args.kl_mode == "loss" and ref is not None and not warm:
                             kl = common.kl_estimate(logp, ref_logp[rows], "k3")
                             loss_tok = loss_tok + args.kl_coef * kl
                         if values is not None:
@@ -444,13 +453,16 @@ def main() -> None:
                             "pg_loss": pg_loss * m,
                             "clipfrac": clipped * m,
                             "entropy": entropy * m,
-                            "approx_kl": common.kl_estimate(logp, old_logp[rows], "k3") * m,
+                            "approx_kl": common.kl_estimate(old_logp[rows], logp, "k3") * m,  # KL(old || new)
                             "tokens": m,
                         }
                         if values is not None:
                             stats["vf_loss"] = 0.5 * v_loss * m
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + v.sum().double()
+                if warm:  # no gradient, no step, no weight decay for the policy (a shared trunk's value grads too)
+                    for p in policy.parameters():
+                        p.grad = None
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 if critic is not None:
                     torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
@@ -473,6 +485,7 @@ def main() -> None:
         n, n_tok = total["completions"], total["tokens"]
         gen_tokens = int(total["response_len"])
         counters["generated_tokens"] += gen_tokens
+        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(n_tok)  # completion tokens x epochs
         counters["step"] = step + 1
         ev = common.explained_variance_masked(old_values, returns, rmask) if critic is not None else float("nan")
         metrics.update(
@@ -482,6 +495,7 @@ def main() -> None:
                 **{k: total[k] / n_tok for k in ("pg_loss", "clipfrac", "entropy", "approx_kl")},
                 "vf_loss": total["vf_loss"] / n_tok if critic is not None else None,
                 "value_explained_variance": ev,
+                "critic_warmup": float(warm),
                 "grad_norm": total["grad_norm"] / (world * args.update_epochs * args.num_minibatches),
                 "lr": scheduler.get_last_lr()[0],
                 "generated_tokens": counters["generated_tokens"],
@@ -531,6 +545,8 @@ def main() -> None:
             "val": val,
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
+            "trained_tokens": counters.get("trained_tokens", 0),
+            "policy_params": runtime.count_params(policy),
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
             "critic_params": runtime.count_params(critic),

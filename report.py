@@ -9,7 +9,7 @@ requirements.txt); without it the tables are still written.
 
 sweep.sh's helpers (one line of output per folder, in order):
 
-    python report.py --check DIR...                     # finished, resume or new; a damaged results.json is set aside
+    python report.py --check DIR...                     # finished, resume or new (reads only; the sweep sets runs aside)
     python report.py --budget DIR...                    # a reference run's generated training tokens and steps
 """
 
@@ -35,53 +35,57 @@ VARIANT_ORDER = [
     "ppo-large",
     "ppo-full",
     "grpo-group",
+    "grpo-group-unscaled",
     "dpo-self-offline",
     "dpo-self-online",
     "dpo-gold-offline",
     "dpo-gold-online",
 ]
-# metrics.jsonl keys of each MC measurement (common.baseline_report), averaged over a run's measurements
-MC_KEYS = {
-    "rmse": "mc/value/rmse",
-    "bias": "mc/value/bias",
-    "centred_rmse": "mc/value/centred_rmse",
-    "within_prompt_rmse": "mc/value/within_group_rmse",
-    "explained_variance": "mc/value/explained_variance",
-    "pearson": "mc/value/pearson",
-    "mc_noise_var": "mc/value/mc_noise_var",
-}
+# The baseline each method's MC measurement scores (metrics.jsonl: mc/<name>/<key>, common.baseline_error): PPO's
+# critic; GRPO's leave-one-out mean, the effective baseline of its group-mean advantage ((G-1)/G (r - loo)).
+MC_BASELINE = {"ppo": "value", "grpo": "loo"}
 ERROR_COLUMNS = [
-    "rmse",
+    "nmse",
+    "nmse_centred",
+    "within_nmse",
     "bias",
-    "centred_rmse",
-    "centred_rmse_nc",
-    "within_prompt_rmse",
+    "rmse",
     "explained_variance",
-    "pearson",
-    "mc_noise_var",
+    "signal_fraction",
 ]
+# What report.py fills only from runs written after the measurement of docs/measurement.md
+NEW_COLUMNS = {
+    "nmse": "baseline error (nmse, nmse_centred, within_nmse, ...)",
+    "paired": "paired difference vs GRPO",
+    "train_flops": "train FLOPs estimate",
+}
 
 DEFINITIONS = """\
-How to read it:
+How to read it (the definitions, with formulas: docs/measurement.md):
 - **test accuracy**: greedy, strict `####` answer, on the test problems (n in runs.csv). One seed: the run's
-  Wilson 95% interval. Several seeds: the mean over seeds with a normal 95% interval (common.mean_interval,
-  mean +- 1.96 sd / sqrt(n)); with 3 seeds that interval is optimistic, so the spread (sd over seeds) is shown too.
+  Wilson 95% interval. Several seeds: the mean over seeds with a t interval, mean +- t(0.975, n - 1) sd / sqrt(n)
+  (t = 4.30 for 3 seeds; common.mean_interval); the spread (sd over seeds) is shown too.
+- **vs GRPO**: the paired difference in test accuracy from GRPO's group-mean run of the same experiment, on the
+  same test problems: per problem the mean over the seeds both have, then the mean over problems with its 95% t
+  interval (per-problem correctness is in each run's results.json).
 - **generated tokens**: tokens of training rollouts only, the compute that the head-to-head matches. Monte Carlo
   measurement tokens never train and are counted apart (mc_tokens in the CSV), as are evaluation tokens.
+  **train FLOPs** ~ 6 x trained tokens x trainable parameters (policy + critic: a full critic doubles the trunk);
+  **wall time**: the run's own clock. Matched compute is read three ways: tokens (the budget), FLOPs, time.
 - **matched compute (h2h)**: for each seed, grpo.py runs first for the scale's steps; its generated tokens are the
   budget. Every PPO critic and online DPO then run with `--token-budget` = that budget (and a step cap 10x GRPO's
   steps, so that the budget ends them); a run stops after the step that reaches the budget, so it can overshoot by
   one step's tokens ("vs budget"). Offline DPO spends the budget once, sampling its pairs from the reference
   model, then trains for GRPO's number of steps.
-- **critic error** (against Monte Carlo: K fresh rollouts from each measured state, common.baseline_report): RMSE
-  and bias count a constant offset; **centred RMSE** (the error's std) does not, since whitening removes it;
-  **centred, noise-corrected** = sqrt(max(0, centred RMSE^2 - the MC target's own variance mean(p(1-p)/(K-1))));
-  **within-prompt RMSE** removes each prompt's mean error (only measured where several states per prompt are:
-  the critic sweep's PPO runs). Each is averaged over a run's measurements after the first (the untrained
-  critic's), then over seeds. GRPO's row is its group mean measured the same way: its sampling noise.
-- The critic sweep's PPO runs are matched in steps and measured at the prompt and 2 states inside each
-  completion (--mc-states 2); the head-to-head's PPO runs are separate runs, matched in tokens and measured at the
-  prompt only, exactly like GRPO's group mean, so that the crossover plot compares like with like.
+- **baseline error** (common.baseline_error, against K fresh rollouts from the prompt and from states drawn
+  uniformly inside each measured completion, token-weighted): **nmse** = the baseline's noise-corrected MSE
+  against the true value over the reward's own variance there, E[p(1-p)]: the share by which the baseline inflates
+  Var(R - b) over a perfect baseline's (0 perfect; 1/(G-1) = 0.14 at G = 8 for GRPO's group, whatever the success
+  rate). **nmse centred**: the same after removing the mean error (what whitening removes). **within**: after
+  removing each prompt's mean error. **signal**: the share of measured prompts whose K returns differ (where a
+  baseline matters at all). Pooled as sums over a run's measurements after the first (the untrained critic) and
+  over seeds, never averaged as roots; the interval is the t interval of the per-seed values. GRPO's row is its
+  leave-one-out mean (its effective baseline); its group mean including the completion's own reward reads ~1/G.
 """
 
 
@@ -114,19 +118,27 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def mc_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The run's critic error: each key averaged over its MC measurements after the first (the untrained critic)."""
-    meas = [r for r in rows if finite(r.get(MC_KEYS["centred_rmse"]))]
+def measurement_sums(row: dict[str, Any], name: str) -> dict[str, float]:
+    """One MC measurement's pooled sums (common.POOLED_SUMS) of baseline `name`, from its metrics.jsonl row."""
+    return {k: float(row[f"mc/{name}/{k}"]) for k in common.POOLED_SUMS if finite(row.get(f"mc/{name}/{k}"))}
+
+
+def mc_summary(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
+    """The run's baseline error: its MC measurements after the first (the untrained critic) pooled as sums
+    (common.pool_baseline_errors). "sums" carries them on, so that seeds pool again; "old_format" marks a run
+    measured before baseline_error (mc/value/centred_rmse and no sums): its columns stay empty."""
+    name = MC_BASELINE.get(method, "value")
+    meas = [r for r in rows if finite(r.get(f"mc/{name}/sum_signal_var"))]
     if len(meas) > 1:
         meas = meas[1:]
-    out = {name: mean([r.get(key) for r in meas]) for name, key in MC_KEYS.items()}
-    nc = []
-    for r in meas:
-        c, v = r.get(MC_KEYS["centred_rmse"]), r.get(MC_KEYS["mc_noise_var"])
-        if finite(c) and finite(v):
-            nc.append(math.sqrt(max(0.0, c * c - v)))
-    out["centred_rmse_nc"] = mean(nc)
+    pooled = common.pool_baseline_errors([measurement_sums(r, name) for r in meas])
+    out: dict[str, Any] = {key: pooled.get(key, float("nan")) for key in ERROR_COLUMNS}
+    out["sums"] = {k: v for k, v in pooled.items() if k in common.POOLED_SUMS}
     out["measurements"] = float(len(meas))
+    out["old_format"] = not meas and any(finite(r.get("mc/value/centred_rmse")) for r in rows)
+    if method == "grpo":  # the group mean with the completion's own reward in it, for comparison
+        group = common.pool_baseline_errors([measurement_sums(r, "group") for r in meas])
+        out["nmse_group_mean"] = group.get("nmse", float("nan"))
     return out
 
 
@@ -162,7 +174,8 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
     """One run: its results.json (runtime.read_results: a damaged one is a UserError naming it) and metrics."""
     res = runtime.read_results(run_dir / "results.json")
     try:
-        method, variant, seed = str(res["method"]), str(res.get("variant", res.get("critic"))), int(res["seed"])
+        method, seed = str(res["method"]), int(res["seed"])
+        variant = run_variant(res)
         test = res["test"]
         acc, n, (lo, hi) = float(test["accuracy"]), int(test["n"]), test["ci95"]
         gen = int(res["generated_tokens"])
@@ -170,6 +183,10 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         raise runtime.UserError(f"{run_dir / 'results.json'} is damaged: missing or malformed {e}") from None
     args = res.get("args") or {}
     rows = read_metrics(run_dir)
+    correct = test.get("correct") if isinstance(test, dict) else None
+    params = res.get("policy_params")
+    trained = res.get("trained_tokens")
+    flops = 6.0 * trained * (params + int(res.get("critic_params", 0))) if finite(params) and finite(trained) else None
     step_times = [r["time/step"] for r in rows if finite(r.get("time/step"))]
     return {
         "experiment": experiment,
@@ -190,6 +207,8 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "eval_tokens": int(res.get("eval_tokens", 0)),
         "wall_time_s": float(res.get("wall_time_s", float("nan"))),
         "critic_params": int(res.get("critic_params", 0)),
+        "train_flops": float(flops) if flops is not None else float("nan"),
+        "correct": [float(c) for c in correct] if isinstance(correct, list) else None,
         "device": str(res.get("device", "")),
         "model": str(args.get("model", "")),
         "scale": str(args.get("scale", "")),
@@ -198,9 +217,25 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "args": args,
         "rows": rows,
         "step_times": step_times,
-        "mc": mc_summary(rows),
+        "mc": mc_summary(rows, method),
         "curve": curve(rows),
     }
+
+
+def run_variant(res: dict[str, Any]) -> str:
+    """A run's variant from its results.json (never from its folder's name): the critic (or grpo's "group", dpo's
+    pairs), and the settings the sweep's extra arms change: GRPO without the std division, PPO at lambda < 1."""
+    variant, args = res.get("variant", res.get("critic")), res.get("args") or {}  # "critic" before the rename
+    if variant is None:
+        raise KeyError("variant")  # a damaged results.json, as load_run reports it
+    variant = str(variant)
+    if res.get("method") == "grpo" and args.get("scale_rewards") == "none" and not variant.endswith("-unscaled"):
+        variant += "-unscaled"  # grpo.py names it so itself since the sweep's unscaled arm; older runs did not
+    if res.get("method") == "grpo" and args.get("baseline") == "loo":
+        variant += "-loo"
+    if res.get("method") == "ppo" and finite(args.get("lam")) and float(args["lam"]) != 1.0:
+        variant += f"-lam{float(args['lam']):g}"
+    return variant
 
 
 def run_folders(out: Path) -> list[tuple[str, Path]]:
@@ -237,7 +272,9 @@ def sort_key(experiment: str, run: str) -> tuple:
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (experiment, method-variant): the mean over seeds, with intervals and spread."""
+    """One row per (experiment, method-variant): the mean over seeds, with intervals and spread; the baseline error
+    pooled over seeds' sums with the t interval of the per-seed values; the paired difference from GRPO."""
+    paired = paired_vs_grpo(runs)
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["experiment"], r["run"]), []).append(r)
@@ -273,10 +310,47 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "wall_time_s": mean([r["wall_time_s"] for r in rs]),
             "critic_params": rs[0]["critic_params"],
         }
+        row["train_flops"] = mean([r["train_flops"] for r in rs])
+        pooled = common.pool_baseline_errors([r["mc"]["sums"] for r in rs])  # sums over seeds, then the ratios
         for key in ERROR_COLUMNS:
-            row[key] = mean([r["mc"][key] for r in rs])
+            row[key] = pooled.get(key, float("nan"))
+        for key in ("nmse", "nmse_centred"):
+            _, lo, hi = common.mean_interval([r["mc"][key] for r in rs if finite(r["mc"][key])] or [float("nan")])
+            row[f"{key}_seed_low"], row[f"{key}_seed_high"] = lo, hi
+        row["nmse_group_mean"] = mean([r["mc"].get("nmse_group_mean", float("nan")) for r in rs])
+        d, lo, hi, n_items = paired[(experiment, run)] if (experiment, run) in paired else (float("nan"),) * 4
+        row.update(vs_grpo=d, vs_grpo_low=lo, vs_grpo_high=hi, vs_grpo_problems=n_items)
         rows.append(row)
     return rows
+
+
+def paired_vs_grpo(runs: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[float, float, float, float]]:
+    """(experiment, run) -> the paired difference in test accuracy from that experiment's GRPO group-mean run:
+    per test problem the mean over the seeds both have of (correct - GRPO's correct), then the mean over problems
+    and its 95% t interval (common.paired_difference), and the number of problems. Needs per-problem correctness
+    (results.json's test.correct) of the same problems in both."""
+    out = {}
+    for experiment in {r["experiment"] for r in runs}:
+        ref = {r["seed"]: r["correct"] for r in runs if r["experiment"] == experiment and r["run"] == "grpo-group"}
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in runs:
+            if r["experiment"] == experiment and r["run"] != "grpo-group":
+                groups.setdefault(r["run"], []).append(r)
+        for run, rs in groups.items():
+            pairs = [
+                (r["correct"], ref[r["seed"]])
+                for r in rs
+                if r["correct"] is not None
+                and ref.get(r["seed"]) is not None
+                and len(r["correct"]) == len(ref[r["seed"]])
+            ]
+            if not pairs or len({len(a) for a, _ in pairs}) != 1:
+                continue
+            n = len(pairs[0][0])
+            a = [sum(p[0][j] for p in pairs) / len(pairs) for j in range(n)]
+            b = [sum(p[1][j] for p in pairs) / len(pairs) for j in range(n)]
+            out[(experiment, run)] = (*common.paired_difference(a, b), float(n))
+    return out
 
 
 def fmt_pct(x: float) -> str:
@@ -285,6 +359,13 @@ def fmt_pct(x: float) -> str:
 
 def fmt_num(x: float, digits: int = 3) -> str:
     return f"{x:.{digits}f}" if finite(x) else "-"
+
+
+def fmt_signed_interval(m: float, lo: float, hi: float) -> str:
+    """A difference in percentage points with its interval: '+1.2 [-0.3, +2.7]'."""
+    if not finite(m):
+        return "-"
+    return f"{100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]" if finite(lo) else f"{100 * m:+.1f}"
 
 
 def fmt_tokens(x: float) -> str:
@@ -317,13 +398,15 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "steps",
         "gen. tokens",
         "vs budget",
+        "train FLOPs",
         "wall time",
         "critic params",
-        "RMSE",
+        "vs GRPO (paired) %",
+        "nmse [seeds]",
+        "nmse centred",
+        "within",
         "bias",
-        "centred RMSE",
-        "centred, noise-corr.",
-        "within-prompt",
+        "signal",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
@@ -337,13 +420,20 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             f"{r['steps']:.0f}",
             fmt_tokens(r["generated_tokens"]),
             fmt_num(r["tokens_vs_budget"], 2),
+            fmt_tokens(r["train_flops"]),
             fmt_time(r["wall_time_s"]),
             f"{r['critic_params']:,}",
-            fmt_num(r["rmse"]),
+            fmt_signed_interval(r["vs_grpo"], r["vs_grpo_low"], r["vs_grpo_high"]),
+            fmt_num(r["nmse"])
+            + (
+                f" [{fmt_num(r['nmse_seed_low'])}, {fmt_num(r['nmse_seed_high'])}]"
+                if finite(r["nmse_seed_low"])
+                else ""
+            ),
+            fmt_num(r["nmse_centred"]),
+            fmt_num(r["within_nmse"]),
             fmt_num(r["bias"]),
-            fmt_num(r["centred_rmse"]),
-            fmt_num(r["centred_rmse_nc"]),
-            fmt_num(r["within_prompt_rmse"]),
+            fmt_pct(r["signal_fraction"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -375,16 +465,19 @@ RUN_COLUMNS = [
     "eval_tokens",
     "wall_time_s",
     "critic_params",
+    "train_flops",
     "device",
     "model",
     "scale",
     "task",
     *ERROR_COLUMNS,
+    "nmse_group_mean",
+    "measurements",
 ]
 
 
 def flat_run(r: dict[str, Any]) -> dict[str, Any]:
-    return {**{k: v for k, v in r.items() if k != "mc"}, **r["mc"]}
+    return {**{k: v for k, v in r.items() if k not in ("mc", "correct")}, **r["mc"]}
 
 
 # ======================================================================================================
@@ -398,6 +491,7 @@ COLOURS = {
     "ppo-large": "#08519c",
     "ppo-full": "#08306b",
     "grpo-group": "#d62728",
+    "grpo-group-unscaled": "#ff9896",
     "dpo-self-offline": "#fdae6b",
     "dpo-self-online": "#e6550d",
     "dpo-gold-offline": "#a1d99b",
@@ -418,13 +512,26 @@ def seed_stats(values: list[float]) -> tuple[float, float]:
     return m, (hi - lo) / 2 if len(values) > 1 else 0.0
 
 
+def pooled_over_seeds(rs: list[dict[str, Any]], key: str) -> tuple[float, float]:
+    """A baseline-error ratio pooled over the seeds' sums, and the half-width of the t interval of the per-seed
+    values (0 for one seed)."""
+    x = common.pool_baseline_errors([r["mc"]["sums"] for r in rs]).get(key, float("nan"))
+    per_seed = [r["mc"][key] for r in rs if finite(r["mc"][key])]
+    _, lo, hi = common.mean_interval(per_seed) if len(per_seed) > 1 else (0.0, 0.0, 0.0)
+    return x, (hi - lo) / 2
+
+
 def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
-    """Final test accuracy against the baseline's centred error: one point per PPO critic, GRPO's group mean as a
-    band. Returns the caption saying which runs it shows."""
+    """Final test accuracy against the baseline's nmse (left) and nmse centred (right): one point per PPO critic,
+    GRPO's leave-one-out mean as a star with its interval at its measured value. Returns the caption."""
     source = "h2h" if any(r["experiment"] == "h2h" and r["method"] == "ppo" for r in runs) else "critic"
     ppo = [r for r in runs if r["experiment"] == source and r["method"] == "ppo"]
-    grpo = [r for r in runs if r["method"] == "grpo"]
-    panels = [("centred_rmse", "centred value RMSE"), ("centred_rmse_nc", "centred RMSE, MC noise removed")]
+    grpo_exp = source if any(r["experiment"] == source and r["run"] == "grpo-group" for r in runs) else None
+    grpo = [r for r in runs if r["run"] == "grpo-group" and (grpo_exp is None or r["experiment"] == grpo_exp)]
+    panels = [
+        ("nmse", "nmse = baseline MSE / E[p(1-p)]"),
+        ("nmse_centred", "nmse centred (mean error removed)"),
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     for ax, (key, xlabel) in zip(axes, panels):
         by_run: dict[str, list[dict[str, Any]]] = {}
@@ -432,7 +539,7 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
             by_run.setdefault(r["run"], []).append(r)
         right = 0.0
         for run, rs in sorted(by_run.items(), key=lambda kv: sort_key(source, kv[0])):
-            x, xerr = seed_stats([r["mc"][key] for r in rs])
+            x, xerr = pooled_over_seeds(rs, key)
             y, yerr = seed_stats([r["test_accuracy"] for r in rs])
             if len(rs) == 1:  # one seed: the run's own interval
                 yerr = (rs[0]["test_ci_high"] - rs[0]["test_ci_low"]) / 2
@@ -441,22 +548,26 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
             right = max(right, x + xerr)
             label = f"PPO, critic {run.removeprefix('ppo-')}"
             ax.errorbar(x, 100 * y, xerr=xerr, yerr=100 * yerr, fmt="o", color=colour(run), capsize=3, label=label)
+        g = grpo[0]["args"].get("group_size") if grpo else None
         if grpo:
-            x, xerr = seed_stats([r["mc"][key] for r in grpo])
+            x, xerr = pooled_over_seeds(grpo, key)
             y, yerr = seed_stats([r["test_accuracy"] for r in grpo])
             if len(grpo) == 1:
                 yerr = (grpo[0]["test_ci_high"] - grpo[0]["test_ci_low"]) / 2
             if finite(x):
                 right = max(right, x + xerr)
-                g = grpo[0]["args"].get("group_size", "G")
-                ax.axvspan(x - xerr, x + xerr, color=colour("grpo-group"), alpha=0.12, lw=0)
-                ax.axvline(x, color=colour("grpo-group"), ls="--", lw=1)
-                label = f"GRPO, group mean of G={g}: its noise"
+                if xerr > 0:
+                    ax.axvspan(x - xerr, x + xerr, color=colour("grpo-group"), alpha=0.12, lw=0)
+                label = f"GRPO, group of G={g or '?'}, measured (leave-one-out)"
                 ax.errorbar(
-                    x, 100 * y, yerr=100 * yerr, fmt="*", ms=12, color=colour("grpo-group"), capsize=3, label=label
-                )
+                    x, 100 * y, xerr=xerr, yerr=100 * yerr, fmt="*", ms=12, color=colour("grpo-group"), capsize=3,
+                    label=label,
+                )  # fmt: skip
+        if isinstance(g, int) and g > 1 and key == "nmse":
+            ax.axvline(1 / (g - 1), color=colour("grpo-group"), ls=":", lw=1, label=f"1/(G-1) = {1 / (g - 1):.3f}")
+            right = max(right, 1 / (g - 1))
         span = 1.15 * right if right > 0 else 1.0
-        ax.set_xlim(-0.04 * span, span)  # errors are >= 0; a little room so that a point at 0 shows whole
+        ax.set_xlim(-0.04 * span, span)  # a little room so that a point at 0 shows whole
         ax.set_xlabel(xlabel + " (lower is better)")
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
@@ -465,10 +576,13 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
     axes[0].set_ylabel("final test accuracy (%)")
     caption = (
         f"PPO critics from the {'head-to-head (matched tokens)' if source == 'h2h' else 'critic sweep (matched steps)'}"
-        f" runs; mean over seeds with 95% intervals; GRPO's group mean as a star and a band at its measured error."
-        " Left of the band, a critic's baseline is less wrong than the group mean."
+        " runs. x: the baseline's noise-corrected MSE at token-weighted states over the reward's own variance"
+        " there (0: a perfect baseline; GRPO's leave-one-out mean of G reads 1/(G-1) whatever the success rate),"
+        " pooled over measurements and seeds, with the t interval over seeds; y: mean test accuracy over seeds with"
+        " its 95% interval. GRPO's star is its measured value. Left of it, a critic's baseline is less wrong than"
+        " the group's."
     )
-    fig.suptitle("Is the critic worth having? Accuracy against the baseline's offset-removed error", fontsize=11)
+    fig.suptitle("Is the critic worth having? Accuracy against the baseline's scaled error", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -531,26 +645,29 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
-    """Raw against centred value RMSE, one small point per MC measurement and a large one per run's mean; the
+    """nmse against nmse centred, one small point per MC measurement and a large one per run (pooled); the
     distance below the diagonal is the constant offset that whitening removes."""
     fig, ax = plt.subplots(figsize=(6, 5))
     top = 0.0
     labelled = set()
     for r in sorted(runs, key=lambda r: sort_key(r["experiment"], r["run"])):
+        name = MC_BASELINE.get(r["method"], "value")
         meas = [
-            row for row in r["rows"] if finite(row.get(MC_KEYS["rmse"])) and finite(row.get(MC_KEYS["centred_rmse"]))
+            row
+            for row in r["rows"]
+            if finite(row.get(f"mc/{name}/nmse")) and finite(row.get(f"mc/{name}/nmse_centred"))
         ]
-        if not meas:
+        if not meas or not finite(r["mc"]["nmse"]):
             continue
-        xs = [row[MC_KEYS["rmse"]] for row in meas]
-        ys = [row[MC_KEYS["centred_rmse"]] for row in meas]
+        xs = [row[f"mc/{name}/nmse"] for row in meas]
+        ys = [row[f"mc/{name}/nmse_centred"] for row in meas]
         top = max(top, *xs, *ys)
         marker = "s" if r["experiment"] == "h2h" else "o"
         ax.scatter(xs, ys, s=10, color=colour(r["run"]), alpha=0.35, marker=marker)
         label = f"{r['run']} ({r['experiment']})"
         ax.scatter(
-            [r["mc"]["rmse"]],
-            [r["mc"]["centred_rmse"]],
+            [r["mc"]["nmse"]],
+            [r["mc"]["nmse_centred"]],
             s=60,
             color=colour(r["run"]),
             marker=marker,
@@ -559,9 +676,11 @@ def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
         )
         labelled.add(label)
     ax.plot([0, top * 1.05 or 1], [0, top * 1.05 or 1], color="black", lw=0.8, ls=":", label="no offset (y = x)")
-    ax.set_xlabel("value RMSE against MC (raw: counts the offset)")
-    ax.set_ylabel("centred value RMSE (offset removed)")
-    ax.set_title("Raw against centred error per critic\n(small: each measurement; large: the run's mean)", fontsize=10)
+    ax.set_xlabel("nmse (counts the mean error)")
+    ax.set_ylabel("nmse centred (mean error removed)")
+    ax.set_title(
+        "Raw against centred error per baseline\n(small: each measurement; large: the run, pooled)", fontsize=10
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
@@ -688,6 +807,24 @@ def missing_runs(out: Path, runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def old_run_columns(runs: list[dict[str, Any]]) -> str:
+    """One line naming the columns that runs written before the current measurement cannot fill, or ''."""
+    missing: dict[str, list[str]] = {}
+    for r in runs:
+        name = f"{r['experiment']}/{Path(r['dir']).name}"
+        if r["mc"]["old_format"]:
+            missing.setdefault(NEW_COLUMNS["nmse"], []).append(name)
+        if r["correct"] is None:
+            missing.setdefault(NEW_COLUMNS["paired"], []).append(name)
+        if not finite(r["train_flops"]) and r["method"] in ("ppo", "grpo"):  # dpo.py does not record it
+            missing.setdefault(NEW_COLUMNS["train_flops"], []).append(name)
+    if not missing:
+        return ""
+    parts = [f"{col} ({len(names)} run{'s' if len(names) > 1 else ''}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+             for col, names in missing.items()]  # fmt: skip
+    return "Runs written before the current measurement leave these columns empty: " + "; ".join(parts) + "."
+
+
 def write_report(out: Path, report_dir: Path) -> Path:
     runs, damaged = load_runs(out)
     if not runs:
@@ -716,7 +853,7 @@ def write_report(out: Path, report_dir: Path) -> Path:
         plot_curves(plt, runs, report_dir / "curves.png")
         plots.append(("curves.png", "Learning curves: mean over seeds, with a 95% band where there are several."))
         plot_errors(plt, runs, report_dir / "errors.png")
-        plots.append(("errors.png", "Raw against centred error per critic: below the diagonal is a constant offset."))
+        plots.append(("errors.png", "nmse against nmse centred per baseline: below the diagonal is a constant offset."))
 
     models = sorted({r["model"] for r in runs})
     devices = sorted({r["device"] for r in runs})
@@ -748,8 +885,12 @@ def write_report(out: Path, report_dir: Path) -> Path:
         )
     lines += ["", DEFINITIONS, "## Results", "", markdown_table(summary), ""]
     lines.append(
-        "Per-run numbers (every seed, MC tokens, explained variance, correlation): runs.csv; this table: summary.csv."
+        "Per-run numbers (every seed, MC tokens, RMSE, explained variance, GRPO's group mean): runs.csv; this table: "
+        "summary.csv."
     )
+    unfilled = old_run_columns(runs)
+    if unfilled:
+        lines += ["", unfilled]
     problems = damaged + missing_runs(out, runs)
     if problems:
         lines += ["", "## Failed, missing or damaged runs", ""] + [f"- {p}" for p in problems]
@@ -782,11 +923,11 @@ def write_report(out: Path, report_dir: Path) -> Path:
 # ======================================================================================================
 
 
-def check(dirs: list[Path], dry_run: bool) -> list[str]:
-    """finished (a readable results.json), resume (a checkpoint) or new, per folder. A damaged results.json is named
-    and renamed aside (never deleted), so the run is redone from its checkpoint; a folder left by a run that died
-    before its first checkpoint is renamed aside whole, so the run starts afresh."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+def check(dirs: list[Path], dry_run: bool = False) -> list[str]:
+    """finished (a readable results.json), resume (a checkpoint) or new, per folder. Reads only: a damaged
+    results.json, or a folder left by a run that died before its first checkpoint, is named on stderr and left
+    where it is; setting it aside is the sweep's (report.py never moves or renames a run). dry_run is accepted
+    for sweep.sh's --dry-run and changes nothing here."""
     states = []
     for run_dir in dirs:
         res = run_dir / "results.json"
@@ -796,25 +937,12 @@ def check(dirs: list[Path], dry_run: bool) -> list[str]:
                 states.append("finished")
                 continue
             except runtime.UserError as e:
-                if dry_run:
-                    print(f"warning: {e}; the sweep would set it aside and redo the run", file=sys.stderr)
-                else:
-                    aside = res.with_name(f"results.json.damaged-{stamp}")
-                    res.rename(aside)
-                    print(f"warning: {e}; kept as {aside.name}, redoing the run", file=sys.stderr)
+                print(f"warning: {e}; the run has to be redone", file=sys.stderr)
         if runtime.find_checkpoint(run_dir) is not None:
             states.append("resume")
             continue
-        if run_dir.is_dir() and any(p.name != "tb" for p in run_dir.iterdir()):
-            aside = run_dir.with_name(f"{run_dir.name}.interrupted-{stamp}")
-            if dry_run:
-                print(
-                    f"warning: {run_dir} holds a run that never saved a checkpoint; it would move to {aside}",
-                    file=sys.stderr,
-                )
-            else:
-                run_dir.rename(aside)
-                print(f"warning: {run_dir} held a run that never saved a checkpoint; moved to {aside}", file=sys.stderr)
+        if run_dir.is_dir() and any(p.name != "tb" for p in run_dir.iterdir()) and not res.exists():
+            print(f"warning: {run_dir} holds a run that never saved a checkpoint", file=sys.stderr)
         states.append("new")
     return states
 
@@ -842,7 +970,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3, help="--estimate: seeds in the full sweep (default 3)")
     p.add_argument("--eval-every", type=int, default=25, help="--estimate: the study's --eval-every (default 25)")
     p.add_argument("--check", nargs="+", metavar="DIR", help="(sweep.sh) print finished, resume or new per run folder")
-    p.add_argument("--dry-run", action="store_true", help="--check: say what would be set aside, move nothing")
+    p.add_argument(
+        "--dry-run", action="store_true", help="--check: accepted for sweep.sh; --check never moves anything"
+    )
     p.add_argument("--budget", nargs="+", metavar="DIR", help="(sweep.sh) print a reference run's tokens and steps")
     a = p.parse_args()
     modes = sum(x is not None for x in (a.out, a.estimate, a.check, a.budget))

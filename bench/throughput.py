@@ -3,12 +3,15 @@
 One process, one GPU, the same model (SmolLM2-135M, fp32 master weights, bf16 compute), the same GSM8K chat
 prompts. Sections, in the order they run (--sections picks some):
 
+  sdpa      the SDPA kernel PyTorch picks for the engine's decode and prefill shapes (its backends pinned)
   check     the engine's numerics in this dtype: greedy tokens against the plain path, sampled log-probs
-            against a training forward (the plain path's own error shown beside it)
+            against a training forward, mean and max |rollout - training| (the plain path's own beside it)
   generate  generated tokens/s at batch 512 x 256 new tokens (EOS ignored, so every method makes the same
             tokens): the static engine (CUDA graph, with and without torch.compile) vs generate() with
-            its dynamic cache
-  hf_static the same with generate()'s static cache and torch.compile (it compiles for a minute or more)
+            its dynamic cache; the decode step's time from arithmetic (bytes, FLOPs, kernels) beside the
+            measured one
+  hf_static the same with generate()'s static cache and torch.compile (compiles for a minute or more; off by
+            default: its anchor HF_STATIC_ANCHOR stands in for it in the ratio)
   eval      the greedy evaluation over the whole test split (1,319 problems, <= 400 tokens), as trainers run it
   grpo      seconds per step of grpo.py vs TRL's GRPOTrainer, 64 prompts x 8 completions x 256 tokens
   ppo       seconds per step of ppo.py with the small critic at the same completions per step
@@ -50,7 +53,16 @@ import common  # noqa: E402
 import engine  # noqa: E402
 import runtime  # noqa: E402
 
-SECTIONS = ("check", "generate", "hf_static", "eval", "grpo", "ppo", "train")
+SECTIONS = ("sdpa", "check", "generate", "hf_static", "eval", "grpo", "ppo", "train")
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "hf_static")
+
+# generate() with a static cache and torch.compile at batch 512 x 256 on one H200, as issue 13 reports it (the
+# measurement's date is not recorded in this repository): the ratio's denominator when hf_static does not run
+HF_STATIC_ANCHOR = {"tokens_per_s": 34_700.0, "source": "issue 13's anchor (hf_static not run)"}
+
+# H200 SXM datasheet figures (assumptions of the arithmetic, not measurements): HBM bandwidth, dense bf16 peak,
+# and the gap between two kernels of a replayed CUDA graph
+H200 = {"hbm_bytes_per_s": 4.8e12, "bf16_flops": 989e12, "kernel_gap_s": 1.5e-6}
 
 # (ratio or measurement, comparison, target): the issue's targets, from one H200 run
 TARGETS = {
@@ -72,8 +84,8 @@ class Args:
     """default: $SMOLLM2_GGUF when set, else smollm2 (the packaged GGUF); tiny with --tiny"""
     data_dir: str | None = None
     """GSM8K folder (default: $GSM8K_DIR)"""
-    sections: str = ",".join(SECTIONS)
-    """comma-separated sections to run, from: check, generate, hf_static, eval, grpo, ppo, train"""
+    sections: str = ",".join(DEFAULT_SECTIONS)
+    """comma-separated sections to run, from: sdpa, check, generate, hf_static, eval, grpo, ppo, train"""
     out: str = "bench/out/throughput.json"
     """the JSON report"""
     work_dir: str = "bench/out/work"
@@ -234,10 +246,17 @@ def ratios(sections: dict[str, Any]) -> dict[str, float | None]:
     grpo, ppo, ev = sections.get("grpo", {}), sections.get("ppo", {}), sections.get("eval", {})
     engine = gen.get("engine", {}).get("tokens_per_s")
     grpo_s = grpo.get("grpo", {}).get("step_s")
+    check = sections.get("check", {}).get("logprob_abs_error_engine", {})
+    hf_static = hfs.get("tokens_per_s") or HF_STATIC_ANCHOR["tokens_per_s"]
+    floor = gen.get("engine", {}).get("floor", {})
     return {
         "engine_tokens_per_s": engine,
         "engine_over_hf_dynamic": _div(engine, gen.get("hf_dynamic", {}).get("tokens_per_s")),
-        "engine_over_hf_static_compiled": _div(engine, hfs.get("tokens_per_s")),
+        "engine_over_hf_static_compiled": _div(engine, hf_static),
+        "decode_step_ms_measured": floor.get("measured_ms"),
+        "decode_step_ms_floor": floor.get("expected_ms"),
+        "logprob_abs_error_mean": check.get("mean"),
+        "logprob_abs_error_max": check.get("max"),
         "engine_compiled_over_graph_only": _div(engine, gen.get("engine_no_compile", {}).get("tokens_per_s")),
         "grpo_step_s": grpo_s,
         "trl_step_over_grpo_step": _div(grpo.get("trl", {}).get("step_s"), grpo_s),
@@ -257,6 +276,12 @@ def print_table(report: dict[str, Any]) -> None:
             verdict = "ok" if (value >= bound if op == ">=" else value <= bound) else "MISSED"
         shown = "-" if value is None else (f"{value:,.0f}" if value >= 1000 else f"{value:.3g}")
         rows.append((key, shown, f"{target[0]} {target[1]}" if target else "", verdict))
+        if key == "engine_over_hf_static_compiled" and value is not None and "hf_static" not in report["sections"]:
+            rows.append(("  (hf_static)", "anchor", HF_STATIC_ANCHOR["source"][:40], ""))
+        if key == "trl_step_over_grpo_step":
+            trl = report["sections"].get("grpo", {}).get("trl", {})
+            for name, pair in (trl.get("differs_from_grpo") or {}).items():
+                rows.append((f"  TRL {name}", str(pair.get("trl"))[:12], f"grpo.py: {pair.get('grpo.py')}"[:40], ""))
     for name, sec in report["sections"].items():
         for key, val in sec.items():
             if isinstance(val, dict) and val.get("peak_gib") is not None:
@@ -267,6 +292,12 @@ def print_table(report: dict[str, Any]) -> None:
             rows.append((name, "skipped", sec["skipped"][:60], ""))
         if sec.get("error"):
             rows.append((name, "ERROR", sec["error"][:60], ""))
+        for key, val in sec.items():
+            if isinstance(val, dict) and val.get("error"):
+                rows.append((f"{name}/{key}", "ERROR", val["error"][:60], ""))
+        if name == "sdpa":
+            for key in ("decode", "prefill"):
+                rows.append((f"sdpa kernel: {key}", str(sec.get(key, "-"))[:12], str(sec.get(f"shape_{key}", "")), ""))
     w = max(len(r[0]) for r in rows)
     print(f"\n== throughput on {report['device']} ({report['model']}, {report['dtype']}) ==")
     for r in rows:
@@ -321,26 +352,143 @@ def section_generate(b: Bench) -> dict[str, Any]:
     u = engine.step_uniforms(0, 0, 0, B, T, b.device)
     out: dict[str, Any] = {"batch": B, "new_tokens": T, "mean_prompt_tokens": sum(map(len, prompts)) / B}
     variants = [("engine", {})]
-    if b.cuda:
-        variants.append(("engine_no_compile", {"compile": False}))
+    if b.cuda:  # flex: each row reads only its valid KV blocks (not yet the default: first measured here)
+        variants += [("engine_flex", {"attention": "flex"}), ("engine_no_compile", {"compile": False})]
     for name, opts in variants:
-        b.reset_peak()
-        eng = engine.StaticEngine(b.lm, **opts)
-        run = lambda e=eng: e.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=b.pad, uniforms=u)  # noqa: E731
-        first_s, ro = b.timed(run)
-        assert int(ro.lengths.sum()) == B * T
-        times = [b.timed(run)[0] for _ in range(b.args.reps)]
-        out[name] = {
-            "first_call_s": first_s,
-            "capture_and_compile_s": eng.compile_seconds,
-            "seconds": _median(times),
-            "tokens_per_s": B * T / _median(times),
-            "peak_gib": b.peak_gib(),
-        }
-        del eng, ro
+        if name != "engine" and b.over_deadline():
+            out[name] = {"skipped": b.over_deadline()}
+            continue
+        try:
+            out[name] = _time_engine(b, prompts, u, opts, name)
+        except Exception as e:  # one variant failing must not lose the others
+            import traceback
+
+            traceback.print_exc()
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
         b.save()
     out["hf_dynamic"] = _hf_generate(b, prompts, T, static=False)
     return out
+
+
+def _time_engine(b: Bench, prompts: list[list[int]], u: torch.Tensor, opts: dict, name: str) -> dict[str, Any]:
+    """One engine variant: its first call (capture, compilation), the median of the timed calls, and its
+    decode step measured (prefill excluded) beside the arithmetic floor."""
+    B, T = b.args.batch, b.args.new_tokens
+    b.reset_peak()
+    eng = engine.StaticEngine(b.lm, **opts)
+    run = lambda: eng.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=b.pad, uniforms=u)  # noqa: E731
+    first_s, ro = b.timed(run)
+    assert int(ro.lengths.sum()) == B * T
+    eng.timing = True
+    times, decode = [], []
+    for _ in range(b.args.reps):
+        times.append(b.timed(run)[0])
+        decode.append(eng.last_timing["decode_s"] / eng.last_timing["steps"])
+    floor = decode_floor(eng, [len(p) for p in prompts], T, count_step_ops(eng, prompts[:4], b.pad))
+    floor["measured_ms"] = 1e3 * _median(decode)
+    floor["prefill_ms_measured"] = 1e3 * eng.last_timing["prefill_s"]
+    print(
+        f"[{name}] decode step: measured {floor['measured_ms']:.3f} ms, arithmetic {floor['expected_ms']:.3f} ms "
+        f"({floor['explain']})",
+        flush=True,
+    )
+    return {
+        "first_call_s": first_s,
+        "capture_and_compile_s": eng.compile_seconds,
+        "seconds": _median(times),
+        "tokens_per_s": B * T / _median(times),
+        "peak_gib": b.peak_gib(),
+        "floor": floor,
+    }
+
+
+def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int) -> int:
+    """ATen ops (views left out) one eager decode step dispatches: about its kernels without torch.compile,
+    which fuses the norms, RoPE and the elementwise ops of each layer piece."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            aliases = [r.alias_info for r in func._schema.returns if r.alias_info is not None]
+            if not aliases or any(a.is_write for a in aliases):  # a view launches no kernel
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    probe = engine.StaticEngine(eng._lm(), cuda_graph=False, compile=False, check_every=1000)
+    step, counts = probe._decode_step, []
+
+    def counted(*a):
+        Count.n = 0
+        with Count():
+            step(*a)
+        counts.append(Count.n)
+
+    probe._decode_step = counted
+    probe.generate(prompts, max_new_tokens=2, eos_id=-1, pad_id=pad)
+    return counts[-1]
+
+
+def decode_floor(eng: engine.StaticEngine, prompt_lens: list[int], T: int, ops: int) -> dict[str, Any]:
+    """The decode step's time from arithmetic on H200's datasheet: max(bytes / bandwidth, FLOPs / peak) plus
+    a launch gap per kernel, averaged over T steps. Bytes: every weight matrix and the LM head once; the KV
+    slots (valid: each row's prompt + t + 1; read by this engine: the longest row's chunk for every row with
+    SDPA, each row's own FLEX_BLOCK blocks with flex); the fp32 logits' passes (write, log-softmax read and
+    write, block sums, gather: ~5 x rows x V x 4). Kernels: the ATen ops of one eager step (compile fuses
+    some, so this bounds the gaps from above)."""
+    elt = torch.finfo(eng.dtype).bits // 8
+    rows = eng.rows_for(len(prompt_lens))
+    lens = list(prompt_lens) + [1] * (rows - len(prompt_lens))  # extra rows hold one token
+    weights = sum(x.numel() for x in (eng.qkv, eng.o, eng.gate_up, eng.down)) + eng.vocab * eng.hidden_size
+    kv_slot = eng.n_layers * 2 * eng.n_kv * eng.head_dim * elt  # bytes of one slot, all layers
+    valid = sum(sum(p + t + 1 for p in lens) for t in range(T)) / T  # slots per step, all rows
+    if eng.attention == "flex":
+        block = engine.FLEX_BLOCK
+        read = sum(sum(_round_up(p + t + 1, block) for p in lens) for t in range(T)) / T
+    else:
+        read = sum(rows * _round_up(max(lens) + t + 1, eng.kv_chunk) for t in range(T)) / T
+    logits = 5 * rows * eng.vocab * 4
+    bytes_valid = weights * elt + valid * kv_slot + logits
+    bytes_read = weights * elt + read * kv_slot + logits
+    flops = 2 * rows * weights + 4 * valid * eng.n_heads * eng.head_dim * eng.n_layers
+    hw = H200
+    t_mem, t_flop = bytes_read / hw["hbm_bytes_per_s"], flops / hw["bf16_flops"]
+    t_kern = ops * hw["kernel_gap_s"]
+    return {
+        "rows": rows,
+        "attention": eng.attention,
+        "weight_bytes": weights * elt,
+        "kv_bytes_valid": valid * kv_slot,
+        "kv_bytes_read": read * kv_slot,
+        "logit_bytes": logits,
+        "bytes_valid": bytes_valid,
+        "bytes_read": bytes_read,
+        "flops": flops,
+        "ops_per_step_eager": ops,
+        "memory_ms": 1e3 * t_mem,
+        "memory_ms_valid_only": 1e3 * bytes_valid / hw["hbm_bytes_per_s"],
+        "flops_ms": 1e3 * t_flop,
+        "kernel_gap_ms": 1e3 * t_kern,
+        "expected_ms": 1e3 * (max(t_mem, t_flop) + t_kern),
+        "assumptions": hw,
+        "explain": f"{bytes_read / 1e9:.2f} GB read ({bytes_valid / 1e9:.2f} GB valid), {flops / 1e12:.3f} TFLOP, "
+        f"{ops} eager ops",
+    }
+
+
+def section_sdpa(b: Bench) -> dict[str, Any]:
+    """The SDPA kernel picked for the engine's decode (batch x longest chunk) and prefill (batch x prompt) shapes."""
+    eng = engine.StaticEngine(b.lm, cuda_graph=False, compile=False)
+    rows, Lk, P = eng.rows_for(b.args.batch), _round_up(192 + b.args.new_tokens, 64), 192
+    out = eng.attention_backends(rows, Lk, P)
+    out.update(shape_decode=f"{rows} x {Lk} slots", shape_prefill=f"{rows} x {P} tokens")
+    print(f"[sdpa] decode {out['decode']} ({out['shape_decode']}), prefill {out['prefill']} ({out['shape_prefill']})")
+    return out
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 def _hf_model(b: Bench) -> torch.nn.Module:
@@ -472,9 +620,11 @@ def run_trainer(b: Bench, script: str, extra: list[str], name: str) -> dict[str,
     rows = [r for r in rows if "time/step" in r]
     kept = rows[b.args.warmup_steps :]
     out: dict[str, Any] = {"command": cmd, "returncode": code, "wall_s": time.perf_counter() - t0}
-    if code != 0 or not kept:
+    if code != 0 or not kept:  # the step times it logged are kept beside the error
         out["error"] = f"exit {code}, {len(rows)} steps logged: " + log.read_text()[-1500:]
-        return out
+        out["step_times_logged"] = [r["time/step"] for r in rows]
+        if not kept:
+            return out
     for key in ("time/step", "time/rollout", "time/update"):
         vals = [r[key] for r in kept if r.get(key) is not None]
         out[key.split("/")[1] + "_s"] = _median(vals)
@@ -522,6 +672,7 @@ def run_trl(b: Bench) -> dict[str, Any]:
     cmd += ["--device", b.device.type, "--prompts", str(a.grpo_prompts), "--generations", str(a.group)]
     cmd += ["--max-new-tokens", str(a.new_tokens), "--steps", str(a.trl_steps), "--run-dir", f"{a.work_dir}/trl-run"]
     cmd += ["--micro-batch-size", str(min(64, a.grpo_prompts * a.group))]
+    cmd += ["--grpo-args", f"{a.update_args} {a.grpo_args.format(prompts=a.grpo_prompts, group=a.group)}"]
     if a.data_dir:
         cmd += ["--data-dir", a.data_dir]
     log = Path(a.work_dir) / "trl.log"
@@ -591,6 +742,7 @@ def main() -> None:
     b = Bench(args)
     print(f"device {b.report['device']}, model {b.model_name}, sections {', '.join(chosen)}", flush=True)
     fns = {
+        "sdpa": section_sdpa,
         "check": section_check,
         "generate": section_generate,
         "hf_static": section_hf_static,

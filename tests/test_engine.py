@@ -201,6 +201,28 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
+def test_cuda_engine_grows_and_recaptures_without_the_pool_assert(lm, tok):
+    """The first thing bench/run_gpu.sh runs. One engine: T = 16 then 80, 6 rows then 70, prompt bucket 128 then
+    192 (each growth releases the graphs and captures again: the allocator's use-count assert fired here),
+    then a call that reuses the grown buffers. No exception, no fallback to the eager step, and the same
+    tokens as a fresh engine's every time."""
+    dev = torch.device("cuda")
+    lm = lm.to(dev)
+    pad = tok.pad_token_id
+    small = make_prompts((3, 41, 17, 120, 1, 64))
+    big = make_prompts([180] + [3 + (7 * i) % 40 for i in range(69)])
+    eng = engine.StaticEngine(lm, compile=False)
+    for prompts, T in [(small, 16), (small, 80), (big, 16), (small, 16)]:
+        u = engine.step_uniforms(0, T, 0, len(prompts), T, dev)
+        kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, temperature=0.9)
+        got = eng.generate(prompts, **kw)
+        ref = engine.StaticEngine(lm, compile=False).generate(prompts, **kw)
+        assert eng.cuda_graph, "a capture failed and the engine fell back to the eager step"
+        assert torch.equal(got.response_ids, ref.response_ids), f"{len(prompts)} rows, T = {T}"
+    assert eng.captures >= 3
+
+
+@cuda
 def test_cuda_graph_logprobs_match_training_forward_in_bf16(lm, tok):
     """In bf16 the engine's log-probs differ from the training forward's by rounding, no more than the plain
     path's do (which computes bf16 logits under autocast)."""
@@ -239,3 +261,90 @@ def test_cuda_graph_equals_eager_step_and_sees_new_weights(lm, tok, compile):
     a2, b2 = graph.generate(prompts, **kw), eager.generate(prompts, **kw)
     assert torch.equal(a2.response_ids, b2.response_ids), "the graph ran stale weights"
     assert not torch.equal(a2.response_ids, a.response_ids)
+
+
+def test_lm_head_in_bf16_accumulates_in_fp32():
+    """The training LM head with bf16 GEMM inputs: forward and backward equal the fp32 computation on the
+    bf16-rounded inputs (fp32 accumulation, no bf16 rounding of the logits); fp32 stays the fp32 path."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 37, 64, 3000
+    hidden = (torch.randn(N, H, generator=g) * 2).requires_grad_()
+    weight = torch.randn(V, H, generator=g).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    lp, ent = engine.token_logprobs_from_hidden(hidden, weight, targets, 0.7, chunk=16, dtype=torch.bfloat16)
+    (lp * torch.linspace(-1, 2, N)).sum().backward()
+
+    h_r = hidden.detach().bfloat16().float().requires_grad_()  # what the bf16 GEMM sees, in exact fp32
+    w_r = weight.detach().bfloat16().float().requires_grad_()
+    ref = torch.log_softmax(h_r @ w_r.T / 0.7, -1)
+    ref_lp = ref.gather(-1, targets[:, None])[:, 0]
+    torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ent, -(ref.exp() * ref).sum(-1), atol=2e-5, rtol=0)
+    (ref_lp * torch.linspace(-1, 2, N)).sum().backward()
+    # the backward's GEMM inputs are bf16 too (grad wrt logits rounded): a relative error near 2^-8
+    for ours, exact in ((hidden.grad, h_r.grad), (weight.grad, w_r.grad)):
+        err = (ours - exact).norm() / exact.norm()
+        assert err < 1e-2, err
+    fp32, _ = engine.token_logprobs_from_hidden(hidden.detach(), weight.detach(), targets, 0.7, chunk=16)
+    assert (fp32 - lp.detach()).abs().max() > 1e-4, "the bf16 path must differ from fp32: it ran in fp32"
+    assert engine.head_dtype(hidden) == torch.float32  # the CPU default: the fp32 path
+
+
+def _peaked_logits(rows: int, V: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, V, generator=g) * 3  # a trained model's spread: top-p 0.9 keeps a few hundred
+
+
+def test_fp32_sampler_is_the_fp64_samplers_distribution_row_by_row():
+    """sample_tokens_fp32 (the engine's) against sample_tokens (fp64 CDF, full sort): the same token for all
+    but boundary cases of the CDF, the same log-prob; each row's token depends on its own logits and uniform
+    only (bitwise the same alone as in a batch); no divide at temperature 1."""
+    V, rows = 49152, 32
+    logits = _peaked_logits(rows, V, 0)
+    u = engine.step_uniforms(0, 0, 0, rows, 1, CPU)[:, 0]
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.9)):
+        ref, ref_lp = engine.sample_tokens(logits, u, temperature, top_p)
+        tok, lp, short = engine.sample_tokens_fp32(logits, u.float(), temperature, top_p)
+        assert (tok == ref).float().mean() >= 30 / 32, (temperature, top_p)
+        torch.testing.assert_close(lp[tok == ref], ref_lp[tok == ref], atol=1e-5, rtol=0)
+        assert not short.any()
+        alone = [engine.sample_tokens_fp32(logits[i : i + 1], u[i : i + 1].float(), temperature, top_p) for i in (0, 9)]
+        assert [int(a[0]) for a in alone] == [int(tok[0]), int(tok[9])]
+        assert [float(a[1]) for a in alone] == [float(lp[0]), float(lp[9])]
+    tok, lp, _ = engine.sample_tokens_fp32(logits, u.float(), 1.0, 1.0)
+    assert torch.equal(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+    greedy, _, _ = engine.sample_tokens_fp32(logits, None, 1.0, 1.0)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_top_k_prefilter_is_exact_when_it_covers_top_p_and_says_when_not():
+    V, rows = 49152, 32
+    logits = _peaked_logits(rows, V, 1) * 2  # peaked: the top 1024 hold more than 0.9 of the mass
+    u = engine.step_uniforms(0, 1, 0, rows, 1, CPU)[:, 0].float()
+    exact, _, _ = engine.sample_tokens_fp32(logits, u, 1.0, 0.9, top_k=0)
+    pre, _, short = engine.sample_tokens_fp32(logits, u, 1.0, 0.9, top_k=1024)
+    assert not short.any() and torch.equal(pre, exact)
+    flat = torch.zeros(2, V)  # uniform: 1024 tokens hold 2% of the mass
+    _, _, short = engine.sample_tokens_fp32(flat, torch.tensor([0.3, 0.8]), 1.0, 0.9, top_k=1024)
+    assert short.all()
+
+
+def test_two_level_cdf_never_picks_a_zero_weight_token():
+    p = torch.zeros(3, 1000)
+    p[0, 5], p[1, 999], p[2, 256:260] = 1.0, 1.0, 0.25
+    for u in (0.0, 0.5, 1.0 - 1e-7, 1.0):
+        idx = engine._inverse_cdf(p, torch.full((3,), u))
+        assert idx[0] == 5 and idx[1] == 999 and 256 <= idx[2] < 260, (u, idx)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_flex_attention_decode_reads_the_same_tokens(lm, tok):
+    """attention="flex" (each row reads only its own blocks, through a BlockMask the step updates in place)
+    gives the SDPA path's tokens. Eager flex_attention on the CPU: a slow reference, so a short run."""
+    prompts, T, pad = make_prompts((3, 41, 17)), 6, tok.pad_token_id
+    u = engine.step_uniforms(0, 5, 0, len(prompts), T, CPU)
+    kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, temperature=0.9)
+    flex = engine.StaticEngine(lm, attention="flex").generate(prompts, **kw)
+    ref = engine.StaticEngine(lm).generate(prompts, **kw)
+    assert torch.equal(flex.response_ids, ref.response_ids)
+    torch.testing.assert_close(flex.logprobs, ref.logprobs, atol=1e-4, rtol=0)

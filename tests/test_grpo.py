@@ -61,7 +61,8 @@ def test_each_mode_runs_two_steps(tmp_path, mode):
     check_ok(run_here("grpo.py", cli(run_dir, GRPO_TINY, **flags)))
 
     results = check_results(run_dir, steps=2)
-    assert results["method"] == "grpo" and results["variant"] == "group" and results["critic_params"] == 0
+    variant = "group" if flags["scale_rewards"] == "group" else "group-unscaled"  # Dr. GRPO: no std division
+    assert results["method"] == "grpo" and results["variant"] == variant and results["critic_params"] == 0
     assert results["mc_tokens"] > 0
     for key, value in flags.items():
         assert results["args"][key] == value
@@ -73,12 +74,15 @@ def test_each_mode_runs_two_steps(tmp_path, mode):
         assert is_finite(r["groups_all_equal"]) and 0 <= r["groups_all_equal"] <= 1
         for key in ("pg_loss", "entropy", "approx_kl", "clipfrac", "grad_norm", "kl_ref", "response_len"):
             assert is_finite(r[key]), f"{key} = {r.get(key)}"
-        for key in ("mc/value/rmse", "mc/value/bias", "mc/value/within_group_rmse", "mc/adv/rmse", "mc/white/rmse"):
-            assert is_finite(r[key]), f"{key} = {r.get(key)}"
-        assert r["mc/value/n"] == GRPO_TINY["group-size"]  # one measured prompt: its G completions
+        for name in ("group", "loo"):  # both baselines, whichever one trains
+            for key in ("rmse", "bias", "sum_sq_err_nc", "sum_within_sq_nc"):
+                assert is_finite(r[f"mc/{name}/{key}"]), f"mc/{name}/{key} = {r.get(f'mc/{name}/{key}')}"
+            # scaled by the reward's variance at the states: none where every MC return is equal
+            assert is_finite(r[f"mc/{name}/nmse"]) or r[f"mc/{name}/signal_fraction"] == 0
+            # one measured prompt: its prompt state and up to --mc-states 2 states inside one completion
+            assert 1 <= r[f"mc/{name}/n"] <= 3
+        assert not any(k.startswith(("mc/value/", "mc/adv/", "mc/white/")) for k in r)
         assert r["mc/tokens"] > 0
-        if flags["baseline"] == "mean":  # the group mean is one value per group: no error within a group
-            assert r["mc/value/within_group_rmse"] == pytest.approx(0, abs=1e-6)
     assert results["generated_tokens"] == rows[-1]["generated_tokens"] > 0
     assert "val/accuracy" in read_metrics(run_dir)[-1]
     check_checkpoint(run_dir, step=2)
@@ -195,12 +199,6 @@ HAND_BASELINES = {
     "mean": [1 / 4] * 4 + [1 / 2] * 4 + [0] * 4,
     "loo": [0, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 2 / 3, 2 / 3, 0, 0, 0, 0],
 }
-# The MC target is one number per group, so the within-group error is the baseline's spread within its group:
-# loo, group 1: 0 - 1/4 and 3 x (1/3 - 1/4) = 1/12; group 2: 2 x (1/3 - 1/2) = -1/6 and 2 x 1/6.
-HAND_WITHIN_GROUP_RMSE = {
-    "mean": 0.0,
-    "loo": math.sqrt(((1 / 4) ** 2 + 3 * (1 / 12) ** 2 + 4 * (1 / 6) ** 2) / 8),  # = 0.15590
-}
 # (scale, baseline, loss norm, clip_eps_high): the four advantage modes, each loss norm at least once
 IN_PROCESS = {
     "group-mean": ("group", "mean", "token", None),
@@ -215,19 +213,24 @@ def watched_run(name: str, run_dir) -> dict:
     """One step of grpo.main() in process with the hand-made rewards, every call of interest recorded."""
     scale, baseline, norm, eps_high = IN_PROCESS[name]
     events: list[tuple] = []
-    rec: dict = {"events": events, "generate": [], "mc_values": [], "baseline_report": []}
+    rec: dict = {"events": events, "generate": [], "mc_values": [], "baseline_error": [], "kl": []}
     real = {
         name: getattr(engine if name in ("generate", "length_sorted_micro_batches") else common, name)
         for name in (
             "score",
             "generate",
             "mc_values",
-            "baseline_report",
+            "baseline_error",
             "length_sorted_micro_batches",
             "clipped_surrogate",
             "loss_weights",
+            "kl_estimate",
         )
     }
+
+    def kl_estimate(a, b, kind):
+        rec["kl"].append((torch.is_grad_enabled(), kind, a.requires_grad, b.requires_grad))
+        return real["kl_estimate"](a, b, kind)
 
     def score(task, texts, token_ids, golds):
         if len(texts) == len(HAND_REWARDS):  # the training batch; the MC rollouts and evaluation score truly
@@ -240,13 +243,15 @@ def watched_run(name: str, run_dir) -> dict:
         return ro
 
     def mc_values(model, tokenizer, prompts, prefixes, golds, **kw):
-        p_hat, n_tok = real["mc_values"](model, tokenizer, prompts, prefixes, golds, **kw)
-        rec["mc_values"].append(dict(prompts=prompts, prefixes=prefixes, k=kw["k"], p_hat=p_hat.clone(), tokens=n_tok))
-        return p_hat, n_tok
+        returns, used, generated = real["mc_values"](model, tokenizer, prompts, prefixes, golds, **kw)
+        rec["mc_values"].append(
+            dict(prompts=prompts, prefixes=prefixes, k=kw["k"], returns=returns.clone(), used=used, generated=generated)
+        )
+        return returns, used, generated
 
-    def baseline_report(pred, mc, ret, adv, k, group_ids=None):
-        out = real["baseline_report"](pred, mc, ret, adv, k, group_ids)
-        rec["baseline_report"].append(dict(pred=pred, mc=mc, ret=ret, adv=adv, k=k, group=group_ids, out=out))
+    def baseline_error(pred, mc, k, groups=None, weights=None, mc_var=None):
+        out = real["baseline_error"](pred, mc, k, groups, weights, mc_var)
+        rec["baseline_error"].append(dict(pred=pred, mc=mc, k=k, group=groups, weights=weights, out=out))
         return out
 
     def micro_batches(rows, lengths, micro):
@@ -286,10 +291,11 @@ def watched_run(name: str, run_dir) -> dict:
         mp.setattr(common, "score", score)
         mp.setattr(engine, "generate", generate)
         mp.setattr(common, "mc_values", mc_values)
-        mp.setattr(common, "baseline_report", baseline_report)
+        mp.setattr(common, "baseline_error", baseline_error)
         mp.setattr(engine, "length_sorted_micro_batches", micro_batches)
         mp.setattr(common, "clipped_surrogate", surrogate)
         mp.setattr(common, "loss_weights", loss_weights)
+        mp.setattr(common, "kl_estimate", kl_estimate)
         run_in_process("grpo", cli(run_dir, GRPO_TINY, **flags))
     rec["rows"] = step_rows(run_dir)
     rec["rollout"] = rec["generate"][0][2]  # the step's training rollout comes first
@@ -361,34 +367,60 @@ def test_the_loss_is_normalised_over_the_whole_minibatch(watched, name):
 
 @pytest.mark.parametrize("name", ["group-mean", "group-loo"])
 def test_the_baseline_is_measured_against_k_fresh_rollouts(watched, name):
-    _, baseline, _, _ = IN_PROCESS[name]
+    """Both baselines (the group mean and the leave-one-out mean, whichever one trains) are scored at the prompt
+    and at token-weighted states inside one completion per measured group, against K fresh rollouts each."""
     rec = watched(name)
-    prompts = rec["rollout"].prompt_ids  # the training prompts, left-padded, one row per completion
+    ro = rec["rollout"]
+    prompts = ro.prompt_ids  # the training prompts, left-padded, one row per completion
     pad = runtime.load_tokenizer("tiny").pad_token_id
     (mc,) = rec["mc_values"]
-    assert mc["k"] == MC_SAMPLES and len(mc["prompts"]) == MC_PROMPTS
-    assert all(len(p) == 0 for p in mc["prefixes"]), "GRPO measures the prompt's value: an empty prefix"
-    for j, p in enumerate(mc["prompts"]):  # the first completion's prompt of each measured group
+    assert mc["k"] == MC_SAMPLES
+    # the measured completion of group j is row j * G: its prompt state first, then prefixes of its own tokens
+    per_completion: list[list[int]] = [[] for _ in range(MC_PROMPTS)]
+    j = -1
+    for p, x in zip(mc["prompts"], mc["prefixes"]):
+        if len(x) == 0:
+            j += 1
         row = prompts[j * G]
         assert list(p) == row[row != pad].tolist()
-    # K fresh rollouts per measured prompt: a generate call of its own, with its own uniforms
-    fresh = [(n, u) for n, u, _ in rec["generate"] if n == MC_PROMPTS * MC_SAMPLES]
-    assert len(fresh) == 1 and fresh[0][1] is not None
-    assert not torch.equal(fresh[0][1][:, :MAX_NEW], rec["generate"][0][1][: MC_PROMPTS * MC_SAMPLES, :MAX_NEW])
-    assert torch.equal(mc["p_hat"] * MC_SAMPLES, (mc["p_hat"] * MC_SAMPLES).round()), "a mean of K 0/1 rewards"
-    assert rec["rows"][0]["mc/tokens"] == mc["tokens"] > 0
+        n = int(ro.lengths[j * G])
+        assert list(x) == ro.response_ids[j * G, : len(x)].tolist() and len(x) < max(n, 1)
+        per_completion[j].append(len(x))
+    assert j == MC_PROMPTS - 1 and all(ts[0] == 0 for ts in per_completion)
+    assert all(len(ts) == 1 + min(2, int(ro.lengths[j * G]) - 1) for j, ts in enumerate(per_completion))
+    # K fresh rollouts per state, sampled with uniforms of their own (evaluation is greedy: no uniforms)
+    fresh = [(n, u) for n, u, _ in rec["generate"][1:] if u is not None]
+    assert sum(n for n, _ in fresh) == len(mc["prompts"]) * MC_SAMPLES
+    assert not torch.equal(fresh[0][1][:, :MAX_NEW], rec["generate"][0][1][: fresh[0][0], :MAX_NEW])
+    returns = mc["returns"]
+    assert torch.equal(returns, returns.round()) and returns.shape == (len(mc["prompts"]), MC_SAMPLES)
+    assert rec["rows"][0]["mc/tokens"] == mc["used"] > 0
+    # no state writes past the completion's budget: T - t tokens from a state t tokens in
+    assert mc["used"] <= sum(MC_SAMPLES * (MAX_NEW - len(x)) for x in mc["prefixes"])
 
-    (report,) = rec["baseline_report"]
-    n = MC_PROMPTS * G  # every completion of the measured groups
-    assert report["k"] == MC_SAMPLES
-    torch.testing.assert_close(report["ret"], torch.tensor(HAND_REWARDS[:n]))
-    torch.testing.assert_close(report["pred"], torch.tensor(HAND_BASELINES[baseline][:n]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(report["mc"], mc["p_hat"].repeat_interleave(G).float())
-    torch.testing.assert_close(report["adv"], report["ret"] - report["pred"], atol=1e-6, rtol=0)
-    assert report["group"].view(MC_PROMPTS, G).unique(dim=1).shape == (MC_PROMPTS, 1), "one id per group"
-    within = report["out"]["value/within_group_rmse"]
-    assert within == pytest.approx(HAND_WITHIN_GROUP_RMSE[baseline], abs=1e-6)
-    assert rec["rows"][0]["mc/value/within_group_rmse"] == pytest.approx(within)
-    # the value error against MC, by hand: the mean of (baseline - p_hat)^2 over the measured completions
-    err = torch.tensor(HAND_BASELINES[baseline][:n]).double() - mc["p_hat"].repeat_interleave(G).double()
-    assert report["out"]["value/rmse"] == pytest.approx(err.pow(2).mean().sqrt().item(), abs=1e-6)
+    group, loo = rec["baseline_error"]  # in the order of common.monte_carlo's baselines
+    for report, base in ((group, "mean"), (loo, "loo")):
+        assert report["k"] == MC_SAMPLES
+        expected = [HAND_BASELINES[base][j * G] for j, ts in enumerate(per_completion) for _ in ts]
+        torch.testing.assert_close(report["pred"], torch.tensor(expected).double(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(report["mc"], returns.mean(-1))
+        # token weights: a completion's states weigh as many tokens as it has
+        w = report["weights"].split([len(ts) for ts in per_completion])
+        for j, wj in enumerate(w):
+            assert wj.sum().item() == pytest.approx(max(1, int(ro.lengths[j * G])))
+        assert report["group"].unique().numel() == MC_PROMPTS, "one id per measured prompt"
+        # the bias by hand: the token-weighted mean of (baseline - p_hat)
+        err = report["pred"] - report["mc"]
+        bias = (report["weights"] * err).sum().item() / report["weights"].sum().item()
+        assert report["out"]["bias"] == pytest.approx(bias)
+    row = rec["rows"][0]
+    assert row["mc/group/bias"] == pytest.approx(group["out"]["bias"])
+    assert row["mc/loo/bias"] == pytest.approx(loo["out"]["bias"])
+    assert not any(k.startswith(("mc/value/", "mc/adv/", "mc/white/")) for k in row)
+
+
+def test_approx_kl_samples_the_old_policy(watched):
+    """approx_kl estimates KL(old || new) from the rollout's samples of the old policy: kl_estimate(old_logp,
+    logp, "k3"), the old (no gradient) first; it was the reverse, which estimates another quantity."""
+    approx = [c for c in watched("group-mean")["kl"] if c[1] == "k3" and not c[0]]
+    assert approx and all(not a_grad and b_grad for _, _, a_grad, b_grad in approx), approx

@@ -1,6 +1,7 @@
 """Advantage-error metrics on synthetic data with known answers; the lambda < 1 offset; intervals."""
 
 import math
+import random
 import statistics
 
 import pytest
@@ -94,34 +95,199 @@ def test_mc_noise_is_unbiased():
     assert common.mc_noise(p_hat, k) == pytest.approx(mse, rel=0.02)
 
 
-def test_baseline_report_planted_offset():
-    g = torch.Generator().manual_seed(4)
-    n, k = 2000, 8
-    mc = (torch.randint(0, k + 1, (n,), generator=g) / k).double()
-    returns = (torch.rand(n, generator=g, dtype=torch.float64) < mc).double()
-    pred_values = mc + 0.3
-    pred_adv = returns - pred_values
-    r = common.baseline_report(pred_values, mc, returns, pred_adv, k, group_ids=torch.arange(n) // 4)
-    assert r["value/bias"] == pytest.approx(0.3, abs=1e-9)
-    assert r["adv/bias"] == pytest.approx(-0.3, abs=1e-9)
-    assert r["value/centred_rmse"] == pytest.approx(0.0, abs=1e-9)
-    assert r["adv/centred_rmse"] == pytest.approx(0.0, abs=1e-9)
-    assert r["value/within_group_rmse"] == pytest.approx(0.0, abs=1e-9)
-    assert r["white/rmse"] == pytest.approx(0.0, abs=1e-6)
-    assert r["value/rmse"] == pytest.approx(0.3, abs=1e-9)
-    assert r["value/mc_noise_var"] == pytest.approx(common.mc_noise(mc, k))
-    assert r["value/mse_noise_corrected"] == pytest.approx(0.09 - r["value/mc_noise_var"], abs=1e-9)
+def _simulate(p, n, k, g):
+    """n states with true value p (a float or [n]), and the mean of k fresh 0/1 returns from each."""
+    p = torch.full((n,), p, dtype=torch.float64) if isinstance(p, float) else p
+    mc = (torch.rand(n, k, generator=g, dtype=torch.float64) < p[:, None]).double().mean(-1)
+    return p, mc
 
 
-def test_baseline_report_noise_is_not_removed_by_whitening():
-    g = torch.Generator().manual_seed(5)
-    n = 5000
-    mc = torch.rand(n, generator=g, dtype=torch.float64)
-    returns = (torch.rand(n, generator=g, dtype=torch.float64) < mc).double()
-    pred_values = mc + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
-    r = common.baseline_report(pred_values, mc, returns, returns - pred_values, 4)
-    assert r["value/centred_rmse"] == pytest.approx(0.2, rel=0.05)
-    assert r["white/rmse"] > 0.1
+def _old_centred_nc(pred, mc, k):
+    """The reading report.py gave before baseline_error: sqrt(max(0, centred RMSE^2 - the full MC noise))."""
+    m = common.advantage_error(pred, mc)
+    return math.sqrt(max(0.0, m["centred_rmse"] ** 2 - common.mc_noise(mc, k)))
+
+
+@pytest.mark.parametrize("p", [0.02, 0.2, 0.5])
+def test_nmse_reads_the_planted_fraction_whatever_the_success_rate(p):
+    # a baseline whose error variance is f E[p(1-p)] reads nmse = f at every success rate (the x axis is the critic's)
+    g = torch.Generator().manual_seed(10)
+    n, k, f = 400_000, 8, 0.3
+    truth, mc = _simulate(p, n, k, g)
+    pred = truth + math.sqrt(f * p * (1 - p)) * torch.randn(n, generator=g, dtype=torch.float64)
+    m = common.baseline_error(pred, mc, k)
+    assert m["nmse"] == pytest.approx(f, abs=0.02)
+    assert m["nmse_centred"] == pytest.approx(f, abs=0.02)  # no offset planted
+    assert m["bias"] == pytest.approx(0.0, abs=0.002)
+    assert m["rmse"] == pytest.approx(math.sqrt(f * p * (1 - p)), rel=0.05)
+    assert m["signal_fraction"] == pytest.approx(1 - p**k - (1 - p) ** k, abs=0.005)
+
+
+def test_a_perfect_baseline_reads_zero_where_the_old_reading_did_not():
+    g = torch.Generator().manual_seed(11)
+    n, k = 200_000, 8
+    truth, mc = _simulate(torch.rand(n, generator=g, dtype=torch.float64), n, k, g)
+    m = common.baseline_error(truth, mc, k)
+    assert m["nmse"] == pytest.approx(0.0, abs=0.01)
+    assert m["nmse_centred"] == pytest.approx(0.0, abs=0.01)
+    assert m["explained_variance"] == pytest.approx(1.0, abs=0.01)
+    assert m["rmse"] < 0.03
+    # per measurement of 32 states, as a run logs it: the old reading averaged roots and read far above 0
+    old, sums = [], []
+    for i in range(0, 32 * 400, 32):
+        old.append(_old_centred_nc(truth[i : i + 32], mc[i : i + 32], k))
+        sums.append(common.baseline_error(truth[i : i + 32], mc[i : i + 32], k))
+    assert statistics.fmean(old) > 0.02
+    assert common.pool_baseline_errors(sums)["nmse_centred"] == pytest.approx(0.0, abs=0.02)
+
+
+@pytest.mark.parametrize("G", [4, 8])
+def test_the_leave_one_out_mean_of_g_reads_one_over_g_minus_one(G):
+    g = torch.Generator().manual_seed(12)
+    n, k = 100_000, 8
+    truth = 0.05 + 0.9 * torch.rand(n, generator=g, dtype=torch.float64)
+    rewards = (torch.rand(n, G, generator=g, dtype=torch.float64) < truth[:, None]).double()  # [n, G]
+    loo = (rewards.sum(-1) - rewards[:, 0]) / (G - 1)  # the baseline of completion 0: the other G - 1
+    _, mc = _simulate(truth, n, k, g)
+    m = common.baseline_error(loo, mc, k)
+    assert m["nmse"] == pytest.approx(1 / (G - 1), rel=0.05)
+    assert m["nmse"] > 1.05 / G  # not 1/G: the noise of a group mean without the completion's own reward
+
+
+def test_within_nmse_of_a_perfect_critic_is_zero_and_of_per_prompt_offsets_too():
+    # 3 states per prompt, K = 8: the old within_group_rmse read about 0.115 for a perfect critic
+    g = torch.Generator().manual_seed(13)
+    prompts, m_states, k = 20_000, 3, 8
+    n = prompts * m_states
+    groups = torch.arange(n) // m_states
+    truth, mc = _simulate(torch.rand(n, generator=g, dtype=torch.float64), n, k, g)
+    old = common.advantage_error(truth, mc, groups)["within_group_rmse"]
+    assert old > 0.1
+    m = common.baseline_error(truth, mc, k, groups)
+    assert m["within_nmse"] == pytest.approx(0.0, abs=0.01)
+    offsets = 0.2 * torch.randn(prompts, generator=g, dtype=torch.float64)
+    shifted = common.baseline_error(truth + offsets[groups], mc, k, groups)
+    assert shifted["within_nmse"] == pytest.approx(0.0, abs=0.01)  # a per-prompt offset is not within-prompt error
+    assert shifted["nmse_centred"] > 0.1
+    # unequal token weights: the noise share is still removed exactly on average
+    w = torch.rand(n, generator=g, dtype=torch.float64) * 3
+    assert common.baseline_error(truth, mc, k, groups, w)["within_nmse"] == pytest.approx(0.0, abs=0.015)
+
+
+def test_a_constant_offset_moves_nmse_not_nmse_centred():
+    g = torch.Generator().manual_seed(14)
+    n, k, c = 100_000, 8, 0.15
+    truth, mc = _simulate(torch.rand(n, generator=g, dtype=torch.float64), n, k, g)
+    pred = truth + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    a, b = common.baseline_error(pred, mc, k), common.baseline_error(pred + c, mc, k)
+    signal = a["sum_signal_var"] / a["weight"]  # E[p(1-p)]
+    assert b["nmse"] - a["nmse"] == pytest.approx(c * c / signal + 2 * c * a["bias"] / signal, rel=1e-9)
+    assert b["nmse_centred"] == pytest.approx(a["nmse_centred"], abs=1e-12)
+    assert b["bias"] == pytest.approx(a["bias"] + c, abs=1e-12)
+
+
+def test_baseline_error_against_a_loop_and_the_pooled_number_against_the_pooled_states():
+    g = torch.Generator().manual_seed(15)
+    k = 4
+    parts = []
+    for n in (7, 12, 5):  # three measurements of different sizes
+        truth, mc = _simulate(torch.rand(n, generator=g, dtype=torch.float64), n, k, g)
+        pred = truth + 0.2 * torch.randn(n, generator=g, dtype=torch.float64)
+        w = 0.5 + torch.rand(n, generator=g, dtype=torch.float64)
+        groups = torch.arange(n) // 3
+        parts.append((pred, mc, w, groups))
+    # a loop over one measurement, by the formulas of the docstring
+    pred, mc, w, groups = parts[1]
+    e, v, s2 = [], [], []
+    for b, p in zip(pred.tolist(), mc.tolist()):
+        e.append(b - p)
+        s2.append(p * (1 - p) * k / (k - 1))
+        v.append(s2[-1] / k)
+    w_ = w.tolist()
+    W = sum(w_)
+    eb = sum(wi * ei for wi, ei in zip(w_, e)) / W
+    S = sum(wi * si for wi, si in zip(w_, s2))
+    noise = sum(wi * vi for wi, vi in zip(w_, v))
+    noise_c = noise - sum(wi * wi * vi for wi, vi in zip(w_, v)) / W
+    got = common.baseline_error(pred, mc, k, groups, w)
+    assert got["nmse"] == pytest.approx((sum(wi * ei * ei for wi, ei in zip(w_, e)) - noise) / S, rel=1e-9)
+    centred = sum(wi * (ei - eb) ** 2 for wi, ei in zip(w_, e))
+    assert got["nmse_centred"] == pytest.approx((centred - noise_c) / S, rel=1e-9)
+    within = 0.0
+    for gid in set(groups.tolist()):
+        idx = [i for i, x in enumerate(groups.tolist()) if x == gid]
+        Wg = sum(w_[i] for i in idx)
+        eg = sum(w_[i] * e[i] for i in idx) / Wg
+        within += sum(w_[i] * (e[i] - eg) ** 2 for i in idx)
+        within -= sum(w_[i] * v[i] for i in idx) - sum(w_[i] ** 2 * v[i] for i in idx) / Wg
+    assert got["within_nmse"] == pytest.approx(within / S, rel=1e-9)
+    assert got["bias"] == pytest.approx(eb, rel=1e-9)
+    # pooled over the three: the sums of the parts, not a mean of their ratios
+    pooled = common.pool_baseline_errors([common.baseline_error(p, m, k, gr, w) for p, m, w, gr in parts])
+    cat = [torch.cat(x) for x in zip(*parts)]
+    direct = common.baseline_error(cat[0], cat[1], k, None, cat[2])
+    assert pooled["nmse"] == pytest.approx(direct["nmse"], rel=1e-9)
+    assert pooled["bias"] == pytest.approx(direct["bias"], rel=1e-9)
+    assert pooled["rmse"] == pytest.approx(direct["rmse"], rel=1e-9)
+    ratios = [common.baseline_error(p, m, k, gr, w)["nmse"] for p, m, w, gr in parts]
+    assert pooled["nmse"] != pytest.approx(statistics.fmean(ratios), rel=1e-3)
+    # centred stays centred per measurement: the pooled centred sum is the sum of the parts' centred sums
+    centred_parts = [common.baseline_error(p, m, k, gr, w)["sum_centred_sq_nc"] for p, m, w, gr in parts]
+    assert pooled["nmse_centred"] == pytest.approx(sum(centred_parts) / direct["sum_signal_var"], rel=1e-9)
+
+
+def test_a_shaped_return_uses_its_own_sample_variance():
+    # returns that are not 0/1 (PPO's KL in the reward): the noise is the K returns' sample variance / K
+    g = torch.Generator().manual_seed(16)
+    n, k = 100_000, 6
+    truth = torch.rand(n, generator=g, dtype=torch.float64)
+    returns = (torch.rand(n, k, generator=g, dtype=torch.float64) < truth[:, None]).double()
+    returns = returns - 0.3 * torch.rand(n, k, generator=g, dtype=torch.float64)  # a penalty with its own noise
+    value = truth - 0.15
+    m = common.baseline_error(value, returns.mean(-1), k, mc_var=returns.var(-1))
+    assert m["nmse"] == pytest.approx(0.0, abs=0.01)
+
+
+def test_mc_state_positions_are_token_weighted():
+    for length, states in ((1, 2), (2, 2), (3, 2), (50, 2), (50, 7)):
+        pos = common.mc_state_positions(length, states, seed=length)
+        assert pos[0] == (0, 1.0)
+        ts = [t for t, _ in pos[1:]]
+        assert len(ts) == min(states, length - 1) and len(set(ts)) == len(ts)
+        assert all(1 <= t < length for t in ts)
+        assert sum(w for _, w in pos) == pytest.approx(length)  # every token counts once
+    # uniform over the completion's tokens: each inside position equally often
+    counts = [0] * 10
+    for s in range(20_000):
+        for t, _ in common.mc_state_positions(10, 2, seed=s)[1:]:
+            counts[t] += 1
+    assert counts[0] == 0 and max(counts[1:]) / min(counts[1:]) < 1.1
+
+
+def test_the_t_interval_covers_95_percent_with_three_seeds():
+    rng = random.Random(17)
+    trials, covered_t, covered_z = 20_000, 0, 0
+    for _ in range(trials):
+        xs = [rng.gauss(0.3, 0.05) for _ in range(3)]
+        _, lo, hi = common.mean_interval(xs)
+        covered_t += lo <= 0.3 <= hi
+        _, lo, hi = common.mean_interval(xs, z=1.96)
+        covered_z += lo <= 0.3 <= hi
+    assert covered_t / trials == pytest.approx(0.95, abs=0.006)
+    assert covered_z / trials < 0.85  # the old normal interval with n = 3
+
+
+def test_t_quantile_against_the_table():
+    for dof, t in ((1, 12.7062), (2, 4.3027), (3, 3.1824), (9, 2.2622), (29, 2.0452)):
+        assert common.t_quantile(0.975, dof) == pytest.approx(t, abs=2e-4)
+
+
+def test_paired_difference():
+    a, b = [1, 0, 1, 1, 0, 1], [0, 0, 1, 0, 0, 1]
+    m, lo, hi = common.paired_difference(a, b)
+    d = [1, 0, 0, 1, 0, 0]
+    half = common.t_quantile(0.975, 5) * statistics.stdev(d) / math.sqrt(6)
+    assert (m, lo, hi) == pytest.approx((1 / 3, 1 / 3 - half, 1 / 3 + half))
 
 
 # ---------------------------------------------------------------------------------------------- the offset question
@@ -205,8 +371,8 @@ def test_wilson_interval_edges(n):
 
 def test_mean_interval():
     m, lo, hi = common.mean_interval([1.0, 2.0, 3.0, 4.0])
-    half = 1.96 * math.sqrt(5 / 3) / 2  # sample sd sqrt(5/3), n = 4
-    assert (m, lo, hi) == pytest.approx((2.5, 2.5 - half, 2.5 + half))
+    half = 3.1824 * math.sqrt(5 / 3) / 2  # sample sd sqrt(5/3), n = 4: t with 3 degrees of freedom
+    assert (m, lo, hi) == pytest.approx((2.5, 2.5 - half, 2.5 + half), rel=1e-4)
     values = [0.31, 0.35, 0.29]
     m, lo, hi = common.mean_interval(values, z=2.0)
     assert m == pytest.approx(statistics.fmean(values))
@@ -215,3 +381,36 @@ def test_mean_interval():
     m, lo, hi = common.mean_interval([0.4])  # one seed: a mean, and no interval rather than a zero-width one
     assert m == 0.4 and math.isnan(lo) and math.isnan(hi)
     assert all(math.isnan(x) for x in common.mean_interval([]))
+
+
+def test_mc_rollouts_from_state_t_write_and_count_at_most_t_minus_t_tokens(monkeypatch):
+    """A state t tokens into a completion of at most T has T - t tokens left: its MC rollouts are cut there and
+    only those count (they used to run up to T tokens from every state, all counted in mc_tokens)."""
+    import engine
+    import runtime
+
+    tok = runtime.load_tokenizer("tiny")
+    model = runtime.load_model("tiny", tok, 0)
+    T, k = 8, 3
+    prefixes = [[], [9] * (T - 1), [9] * (T - 2), [9] * 2]
+    budgets = [T - len(x) for x in prefixes]
+    calls = []
+    real = engine.generate
+
+    def generate(m, prompts, **kw):
+        ro = real(m, prompts, **kw)
+        calls.append((kw["max_new_tokens"], [len(p) for p in prompts], ro.lengths.tolist()))
+        return ro
+
+    monkeypatch.setattr(engine, "generate", generate)
+    u = engine.step_uniforms(0, 0, 1, len(prefixes) * k, T, torch.device("cpu"))
+    returns, used, generated = common.mc_values(
+        model, tok, [[5, 6, 7]] * len(prefixes), prefixes, ["1"] * len(prefixes),
+        task="toy", k=k, max_new_tokens=T, uniforms=u, temperature=1.0, top_p=1.0,
+    )  # fmt: skip
+    assert returns.shape == (len(prefixes), k)
+    rows = [(c - 3, n) for _, ctx, ns in calls for c, n in zip(ctx, ns)]  # (prefix length t, tokens generated)
+    assert len(rows) == len(prefixes) * k
+    assert used == sum(min(n, T - t) for t, n in rows) <= k * sum(budgets)
+    assert generated == sum(n for _, n in rows) >= used
+    assert any(n > T - t for t, n in rows), "some rollout ran past its state's budget and was cut"

@@ -53,8 +53,13 @@ def test_each_critic_runs_two_steps_with_the_mc_measurement(tmp_path, critic):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert is_finite(r["reward"]) and 0 <= r["reward"] <= 1
-        for key in ("mc/value/rmse", "mc/value/bias", "mc/adv/rmse", "mc/white/rmse", "mc/value/within_group_rmse"):
+        for key in ("mc/value/bias", "mc/value/rmse", "mc/value/sum_sq_err_nc", "mc/value/sum_within_sq_nc"):
             assert is_finite(r[key]), f"{key} = {r.get(key)}"
+        # scaled by the reward's variance at the states: none where every MC return is equal (the tiny model)
+        assert is_finite(r["mc/value/nmse"]) or r["mc/value/signal_fraction"] == 0
+        assert not any(k.startswith(("mc/adv/", "mc/white/")) for k in r), (
+            "gone: adv/* repeats value/* (returns cancel)"
+        )
         assert r["mc/tokens"] > 0 and r["mc/value/n"] > 2  # the prompts and states inside the completions
         assert (r["vf_loss"] is None) == (critic == "none")
 
@@ -182,3 +187,80 @@ def test_critic_none_is_reinforce_with_the_batch_mean_baseline(tmp_path, monkeyp
         torch.testing.assert_close(adv, (scores - baseline)[:, None] * mask, atol=1e-6, rtol=0)
         torch.testing.assert_close(ret, scores[:, None] * mask, atol=1e-6, rtol=0)
     assert json.loads((Path(tmp_path) / "run" / "results.json").read_text())["critic_params"] == 0
+
+
+def test_kl_in_the_reward_is_in_the_mc_target_and_approx_kl_samples_the_old_policy(tmp_path, monkeypatch, capsys):
+    """--kl-mode reward: the critic regresses score - beta * the KL ahead, so the Monte Carlo target must be that
+    return too (it was the raw score: the KL read as critic error). And approx_kl estimates KL(old || new) from
+    the rollout's samples of the old policy: kl_estimate(old_logp, logp, "k3"), not the reverse."""
+    kl_calls, mc_calls = [], []
+    real_kl, real_mc = common.kl_estimate, common.mc_values
+
+    def kl_estimate(a, b, kind):
+        kl_calls.append((torch.is_grad_enabled(), kind, a.requires_grad, b.requires_grad))
+        return real_kl(a, b, kind)
+
+    def mc_values(*args, **kw):
+        out = real_mc(*args, **kw)
+        mc_calls.append((kw.get("penalty") is not None, out[0].clone()))
+        return out
+
+    monkeypatch.setattr(common, "kl_estimate", kl_estimate)
+    monkeypatch.setattr(common, "mc_values", mc_values)
+    flags = dict(
+        task="toy",
+        critic="small",
+        kl_mode="reward",
+        kl_coef=1.0,
+        lr=1e-2,
+        total_steps=2,
+        batch_size=4,
+        max_new_tokens=4,
+        num_minibatches=1,
+        mc_every=1,
+        mc_prompts=2,
+        mc_samples=2,
+        mc_states=50,  # more than a completion of 4 tokens has: clamped to 3, with one notice
+        eval_size=1,
+        test_size=1,
+        eval_max_new_tokens=1,
+    )
+    run_ppo_in_process(cli(tmp_path / "run", **flags), monkeypatch)
+    notices = [line for line in capsys.readouterr().err.splitlines() if "--mc-states 50" in line]
+    assert len(notices) == 1 and "clamped to 3" in notices[0], notices
+    # approx_kl: the one k3 estimate taken without a gradient; its samples come from the old policy (no grad)
+    approx = [c for c in kl_calls if c[1] == "k3" and not c[0]]
+    assert approx and all(not a_grad and b_grad for _, _, a_grad, b_grad in approx), approx
+    # step 1: policy = reference, the KL ahead is 0 and the returns are 0/1; step 2: the policy has moved
+    assert len(mc_calls) == 2 and all(shaped for shaped, _ in mc_calls)
+    first, second = mc_calls[0][1], mc_calls[1][1]
+    assert (first - first.round()).abs().max() < 1e-4  # rounding between the sampler's and the forward's log-probs
+    assert (second - second.round()).abs().max() > 1e-3, "the KL ahead is in the MC return"
+
+
+def test_critic_warmup_steps_move_the_critic_and_not_the_policy(tmp_path):
+    """--critic-warmup-steps 1: the first step's updates are value-only; without it the same step moves the policy."""
+    from safetensors.torch import load_file
+
+    from critics import build_critic
+
+    tok = runtime.load_tokenizer("tiny")
+    init = runtime.load_model("tiny", tok, 1).state_dict()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        critic0 = build_critic("small", runtime.load_model("tiny", tok, 1).config.hidden_size, None).state_dict()
+    flags = dict(task="toy", critic="small", total_steps=1, lr=1e-2, critic_lr=1e-2, kl_coef=0, mc_every=0)
+    moved = {}
+    for warmup in (1, 0):
+        run_dir = tmp_path / f"warmup-{warmup}"
+        check_ok(run_here("ppo.py", cli(run_dir, **flags, critic_warmup_steps=warmup)))
+        ckpt = run_dir / runtime.CHECKPOINT
+        policy = load_file(str(ckpt / "policy" / "model.safetensors"))
+        critic = load_file(str(ckpt / "critic.safetensors"))
+        moved[warmup] = (
+            any(not torch.equal(policy[k], init[k]) for k in policy if k in init),
+            any(not torch.equal(critic[k], critic0[k]) for k in critic),
+        )
+        assert step_rows(run_dir)[0]["critic_warmup"] == float(warmup)
+    assert moved[1] == (False, True), "warm-up: the critic learns, the policy stays"
+    assert moved[0] == (True, True)

@@ -65,6 +65,11 @@ REWARD = [
     ("#### 72\nAgain: #### 72", "72", 1.0),  # the same answer twice is fine
     ("#### 72\nSo the answer is \\boxed{72}.", "72", 1.0),  # the two markers agree
     ("#### 72\n\\boxed{73}", "72", 0.0),  # the two markers disagree
+    ("#### 7 \\boxed{8}", "8", 0.0),  # disagree too: the backslash ends the number 7, it is not part of it
+    ("#### 7 \\boxed{8}", "7", 0.0),
+    ("#### 7\\boxed{7}", "7", 1.0),
+    ("#### \\$18", "18", 1.0),  # an escape the number may hold
+    ("#### 50\\%", "50", 1.0),
     ("\\boxed{72}", "72", 1.0),
     ("#### 1,000", "1000", 1.0),
     ("#### 1000", "1,000", 1.0),  # the gold is normalised too
@@ -162,3 +167,33 @@ def test_adversarial_inputs_return_promptly(text, expected):
     assert common.extract_final_answer(text) == expected
     # A hang guard against catastrophic backtracking or quadratic scans, not a speed target.
     assert time.perf_counter() - t0 < 2.0
+
+
+class CountingStr(str):
+    """A str that counts its indexing and slicing: the Python-level work a parser does on it."""
+
+    ops = 0
+
+    def __getitem__(self, key):
+        CountingStr.ops += 1
+        return str.__getitem__(self, key)
+
+
+@pytest.mark.parametrize("unit", ["\\boxed{", "\\boxed{1", "\\boxed{\\boxed{}}"], ids=["open", "digit", "closed"])
+def test_a_long_run_of_boxed_costs_a_constant_per_marker(unit):
+    """Linear with a small constant: a few indexing steps per \\boxed{ whatever the run's length (each marker
+    used to scan up to 256 characters: ~1 s per 100 KB), and 4x the text takes about 4x the time."""
+    costs, times = {}, {}
+    for n in (5_000, 20_000):
+        text = unit * n
+        CountingStr.ops = 0
+        common.extract_final_answer(CountingStr(text))
+        costs[n] = CountingStr.ops
+        t0 = time.perf_counter()
+        for _ in range(3):
+            common.extract_final_answer(text)
+        times[n] = (time.perf_counter() - t0) / 3
+    markers = 20_000 * unit.count("\\boxed{")
+    assert costs[20_000] <= 4 * markers, costs
+    assert costs[20_000] <= 4.5 * costs[5_000] + 100, costs
+    assert times[20_000] < 10 * times[5_000] + 0.01, times  # linear, generously: 4x the text, under 10x the time

@@ -6,28 +6,30 @@ The smoke sweep runs once per session (about two minutes on 2 cores); the other 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, check_ok, trainer_env, tree_digest
+from helpers import REPO, check_ok, check_one_error_line, trainer_env, tree_digest
 
 import runtime
 
 CRITICS = ["none", "small", "medium", "large", "full"]
 EXPECTED = {
     "critic": [f"ppo-{c}" for c in CRITICS],
-    "h2h": ["grpo-group", *[f"ppo-{c}" for c in CRITICS], "dpo-gold-online", "dpo-gold-offline"],
+    "h2h": ["grpo-group", "grpo-group-unscaled", *[f"ppo-{c}" for c in CRITICS], "dpo-gold-online", "dpo-gold-offline"],
     "labels": ["dpo-self-offline", "dpo-self-online", "dpo-gold-offline", "dpo-gold-online"],
 }
-N_RUNS = sum(len(v) for v in EXPECTED.values())  # 17 per seed
+N_RUNS = sum(len(v) for v in EXPECTED.values())  # 18 per seed
 PNGS = ["crossover.png", "curves.png", "errors.png"]
 
 
@@ -79,7 +81,9 @@ def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
     for experiment, names in EXPECTED.items():
         for name in names:
             res = runtime.read_results(out / experiment / f"{name}-s1" / "results.json")
-            assert f"{res['method']}-{res['critic']}" == name and res["seed"] == 1
+            assert f"{res['method']}-{res.get('variant', res.get('critic'))}" == name and res["seed"] == 1
+            if res["method"] == "grpo":  # the head-to-head's two GRPO arms: with and without the std division
+                assert res["args"]["scale_rewards"] == ("none" if name == "grpo-group-unscaled" else "group")
             assert res["args"]["model"] == "tiny" and res["scaled_down"] == []
     check_report(out / "report", N_RUNS)
 
@@ -119,7 +123,7 @@ def test_dry_run_prints_every_command_and_the_budget_symbolically(tmp_path):
                 assert any(f"--run-dir {out}/{experiment}/{name}-s{seed} " in c for c in commands), (experiment, name)
         ref = out / "h2h" / f"grpo-group-s{seed}"
         budgeted = [c for c in commands if f"--token-budget <generated_tokens of {ref}>" in c]
-        assert len(budgeted) == 7  # five PPO critics, DPO online and offline
+        assert len(budgeted) == 8  # GRPO without the std division, five PPO critics, DPO online and offline
     assert not out.exists()  # a dry run creates nothing
 
 
@@ -131,7 +135,22 @@ def test_dry_run_shows_the_budget_once_the_reference_run_exists(smoke, tmp_path)
     proc = sweep("--smoke", "--dry-run", "--out", new, "--experiments", "h2h")
     check_ok(proc)
     assert "# h2h/grpo-group-s1: finished" in proc.stdout
-    assert proc.stdout.count(f"--token-budget {budget} ") == 7
+    assert proc.stdout.count(f"--token-budget {budget} ") == 8
+
+
+def test_critic_lambda_is_an_optional_arm_at_lambda_095(tmp_path):
+    out = tmp_path / "out"
+    default = sweep("--dry-run", "--out", out, "--seeds", "1")
+    check_ok(default)
+    assert "--lam" not in default.stdout and "/critic-lambda/" not in default.stdout  # off by default
+    proc = sweep("--dry-run", "--out", out, "--seeds", "1,2", "--experiments", "critic-lambda")
+    check_ok(proc)
+    commands = [line for line in proc.stdout.splitlines() if ".py --run-dir " in line]
+    assert len(commands) == 2 * 4  # small, medium, large, full: per seed
+    for c in ["small", "medium", "large", "full"]:
+        for seed in (1, 2):
+            (line,) = [x for x in commands if f"--run-dir {out}/critic-lambda/ppo-{c}-s{seed} " in x]
+            assert "ppo.py --run-dir" in line and f"--critic {c} --mc-states 2 --lam 0.95" in line
 
 
 @pytest.mark.parametrize(
@@ -216,7 +235,7 @@ def test_report_on_existing_runs(smoke, tmp_path):
     check_ok(proc)
     check_report(report, N_RUNS)
     md = (report / "report.md").read_text()
-    assert "centred RMSE" in md and "noise-corrected" in md and "python report.py --estimate" in md
+    assert "nmse" in md and "noise-corrected" in md and "python report.py --estimate" in md
 
     est = subprocess.run(
         [sys.executable, "report.py", "--estimate", str(out), "--steps", "200", "--seeds", "3"],
@@ -258,7 +277,7 @@ def test_slurm_submits_one_array_task_per_run(tmp_path):
     check_ok(proc)
     first, second, report = calls.read_text().splitlines()
     assert "--array=0,1,2,3,4,5,6,7,8,9 " in first and "--requeue" in first and "--signal=B:TERM@300" in first
-    assert "--array=10,11,12,13,14,15,16 " in second and "--dependency=afterany:1001" in second
+    assert "--array=10,11,12,13,14,15,16,17 " in second and "--dependency=afterany:1001" in second
     assert "--dependency=afterany:1002" in report and "report.py" in report
     task = (out / "slurm" / "task.sh").read_text()
     assert '--slurm-task "$SLURM_ARRAY_TASK_ID" -- --lr 2e-6' in task
@@ -275,3 +294,149 @@ def test_slurm_submits_one_array_task_per_run(tmp_path):
     res = runtime.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
     assert res["method"] == "grpo" and res["args"]["lr"] == 2e-6
     assert json.loads(json.dumps(res["args"]))["run_dir"] == str(out / "h2h" / "grpo-group-s1")
+
+
+HOLD = """
+import fcntl, json, os, sys, time
+f = open(sys.argv[1], "a+")
+fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+f.truncate(0); f.write(json.dumps({"pid": os.getpid(), "holder": sys.argv[2]}) + "\\n"); f.flush()
+print("held", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+@contextlib.contextmanager
+def held_lock(path: Path, holder: str):
+    """Another process holds path's lock (flock), as a sweep or a trainer writes it: {"pid": N, "holder": ...}."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(path), holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline() == b"held\n"
+        yield p.pid
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+
+
+@pytest.mark.parametrize("holder, kind", [("sweep", "a sweep"), ("ppo.py", "a trainer (ppo.py")])
+def test_a_held_lock_is_one_line_naming_the_holder(tmp_path, holder, kind):
+    out = tmp_path / "out"
+    with held_lock(out / ".lock", holder) as pid:
+        proc = sweep("--smoke", "--out", out, "--experiments", "labels")
+    line = check_one_error_line(proc)
+    assert proc.returncode == 2 and f"{out} is in use by {kind}" in line and f"pid {pid}" in line, line
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing started, nothing written
+
+
+def test_the_sweep_holds_its_lock_for_its_life_and_skips_a_run_a_trainer_holds(tmp_path):
+    """A stand-in torchrun that waits for SIGTERM keeps the sweep alive: its lock names it; a second sweep on the same
+    folder is refused naming it; a run whose folder a trainer holds is failed, naming the trainer, and skipped."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text("#!/usr/bin/env bash\nsleep 120 &\ntrap 'kill $!; exit 0' TERM\nwait\n")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {**trainer_env(), "PYTHON": sys.executable, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    args = ["--launcher", "torchrun", "--gpus", "1", "--out", str(out), "--experiments", "labels", "--seeds", "1"]
+    with held_lock(out / "labels" / "dpo-self-offline-s1" / ".lock", "dpo.py") as trainer:
+        first = subprocess.Popen(
+            ["bash", str(REPO / "sweep.sh"), *args], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            lines = []
+            while not any(line.startswith("run   ") for line in lines):  # the sweep's first trainer has started
+                lines.append(first.stdout.readline())
+                assert lines[-1], "".join(lines)
+            assert json.loads((out / ".lock").read_text()) == {"pid": first.pid, "holder": "sweep"}
+            second = sweep(*args)
+            assert f"is in use by a sweep (pid {first.pid})" in check_one_error_line(second)
+        finally:
+            first.send_signal(signal.SIGTERM)
+            rest, _ = first.communicate(timeout=60)
+    text = "".join(lines) + rest
+    assert first.returncode == 130, text  # stopped: the same command resumes
+    busy = [x for x in text.splitlines() if x.startswith("FAIL  labels/dpo-self-offline-s1")]
+    assert len(busy) == 1 and f"in use by a trainer (dpo.py, pid {trainer})" in busy[0], text
+    assert "run   labels/dpo-self-offline-s1" not in text and "run   labels/dpo-self-online-s1" in text  # the next one
+
+
+# ------------------------------------------------------------------------------------------------------
+# report.py on synthetic runs: pooled sums, the paired comparison, runs written before the measurement
+# ------------------------------------------------------------------------------------------------------
+
+
+def _write_run(root: Path, experiment: str, name: str, results: dict, rows: list[dict]) -> Path:
+    run_dir = root / experiment / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "results.json").write_text(json.dumps(results))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def test_report_pools_sums_pairs_problems_and_names_what_old_runs_cannot_fill(tmp_path):
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    import common
+    import report
+
+    g = torch.Generator().manual_seed(0)
+    k, n_test = 8, 200
+    measured: dict[tuple[str, int], list[dict]] = {}
+    for method, name, noise in (("ppo", "value", 0.15), ("grpo", "loo", 0.3)):
+        for seed in (1, 2, 3):
+            rows, parts = [], []
+            for step in range(4):
+                truth = torch.rand(40, generator=g, dtype=torch.float64)
+                mc = (torch.rand(40, k, generator=g, dtype=torch.float64) < truth[:, None]).double().mean(-1)
+                pred = truth + noise * torch.randn(40, generator=g, dtype=torch.float64)
+                err = common.baseline_error(pred, mc, k, torch.arange(40) // 4)
+                rows.append({"step": step + 1, **{f"mc/{name}/{key}": v for key, v in err.items()}})
+                if name == "loo":
+                    rows[-1].update({f"mc/group/{key}": v for key, v in err.items()})
+                if step > 0:  # the report leaves out the first measurement (the untrained critic)
+                    parts.append((pred, mc))
+            measured[(method, seed)] = parts
+            acc = 0.5 if method == "ppo" else 0.4
+            correct = (torch.rand(n_test, generator=g) < acc).float().tolist()
+            results = {
+                "method": method, "critic": "small" if method == "ppo" else "group", "seed": seed, "steps": 4,
+                "generated_tokens": 1000, "trained_tokens": 2000, "policy_params": 10, "critic_params": 5,
+                "args": {"group_size": 8} if method == "grpo" else {},
+                "test": {"accuracy": sum(correct) / n_test, "n": n_test, "ci95": [0.3, 0.6], "correct": correct},
+            }  # fmt: skip
+            variant = "ppo-small" if method == "ppo" else "grpo-group"
+            _write_run(tmp_path, "h2h", f"{variant}-s{seed}", results, rows)
+    # a run written before this change: old keys, no per-problem correctness, no trained tokens
+    old = {"method": "ppo", "critic": "none", "seed": 1, "steps": 2, "generated_tokens": 10,
+           "test": {"accuracy": 0.1, "n": n_test, "ci95": [0.0, 0.2]}}  # fmt: skip
+    _write_run(tmp_path, "h2h", "ppo-none-s1", old, [{"step": 1, "mc/value/centred_rmse": 0.2, "mc/value/rmse": 0.3}])
+
+    runs, damaged = report.load_runs(tmp_path)
+    assert not damaged and len(runs) == 7
+    summary = {r["run"]: r for r in report.summarize(runs)}
+    # the pooled number: one direct computation on every state of every seed's measurements after the first
+    for method, run in (("ppo", "ppo-small"), ("grpo", "grpo-group")):
+        states = [p for seed in (1, 2, 3) for p in measured[(method, seed)]]
+        parts = [common.baseline_error(pred, mc, k, torch.arange(40) // 4) for pred, mc in states]
+        direct = common.baseline_error(torch.cat([p for p, _ in states]), torch.cat([m for _, m in states]), k)
+        assert summary[run]["nmse"] == pytest.approx(direct["nmse"], rel=1e-9)
+        assert summary[run]["rmse"] == pytest.approx(direct["rmse"], rel=1e-9)
+        centred = sum(p["sum_centred_sq_nc"] for p in parts) / direct["sum_signal_var"]
+        assert summary[run]["nmse_centred"] == pytest.approx(centred, rel=1e-9)
+        assert summary[run]["nmse_seed_low"] < summary[run]["nmse"] < summary[run]["nmse_seed_high"]
+    assert summary["ppo-small"]["nmse"] < summary["grpo-group"]["nmse"]
+    # paired on the same problems: per problem the mean over seeds, then the mean difference and its t interval
+    by = {(r["run"], r["seed"]): r["correct"] for r in runs if r["correct"] is not None}
+    a = [sum(by[("ppo-small", s)][j] for s in (1, 2, 3)) / 3 for j in range(n_test)]
+    b = [sum(by[("grpo-group", s)][j] for s in (1, 2, 3)) / 3 for j in range(n_test)]
+    d, lo, hi = common.paired_difference(a, b)
+    row = summary["ppo-small"]
+    assert (row["vs_grpo"], row["vs_grpo_low"], row["vs_grpo_high"]) == pytest.approx((d, lo, hi))
+    assert row["train_flops"] == pytest.approx(6 * 2000 * 15)
+    # the old run: its row is written, its new columns are empty, and one line says which
+    assert all(r != r for r in (summary["ppo-none"]["nmse"], summary["ppo-none"]["vs_grpo"]))
+    md = report.write_report(tmp_path, tmp_path / "report").read_text()
+    lines = [line for line in md.splitlines() if "leave these columns empty" in line]
+    assert len(lines) == 1 and "h2h/ppo-none-s1" in lines[0] and "nmse" in lines[0] and "paired" in lines[0]
+    assert "| h2h | ppo-none |" in md and "| h2h | ppo-small |" in md

@@ -1,0 +1,657 @@
+"""The sweep's scheduler: runs the plan that sweep.sh holds, then the report. Run ./sweep.sh, not this file.
+
+Holds: the options, the plan's reading (one run per plan line and seed), each run's state (finished, resume or new;
+a damaged results.json or a run that never saved is set aside, never deleted), the matched budget read from a
+reference run, the launchers (one after another, a pool over GPUs or CPU jobs, torchrun, SLURM arrays), the logs
+and status files, the lock on the sweep's folder, the summary, and the call of report.py.
+Does not hold: the experiments or their commands (sweep.sh), any training (the trainers, started as processes),
+the report (report.py). It imports runtime.py only to read results.json and find checkpoints as the trainers do.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent
+PYTHON = os.environ.get("PYTHON") or sys.executable
+LAUNCHERS = ("seq", "gpus", "torchrun", "slurm")
+SCALES = ("auto", "study", "cpu")
+
+USAGE = """usage: ./sweep.sh [options] [-- flags for every trainer]
+
+Runs the plan in sweep.sh into OUT/<experiment>/<name>-s<seed>, then writes the report to OUT/report/
+(report.md, summary.csv, runs.csv, crossover.png, curves.png, errors.png).
+
+options:
+  --experiments LIST  comma-separated, from {experiments} (default: {default})
+  --seeds LIST        comma-separated seeds (default: 1,2,3)
+  --model NAME        the trainers' --model (default: smollm2)
+  --scale S           the trainers' --scale: auto, study or cpu (default: auto)
+  --out DIR           runs and report (default: runs/sweep; runs/smoke with --smoke)
+  --launcher L        seq: one run after another (the default)
+                      gpus: one run per GPU at a time, on this machine
+                      torchrun: one run after another, each data-parallel over the GPUs (torchrun --standalone)
+                      slurm: one array task per run (sbatch); with --gpus N > 1 each task runs torchrun over N
+  --gpus N            GPUs to use (default: all visible); alone, it means --launcher gpus
+  --jobs N            with --launcher seq: N runs at once on this machine's CPU (default 1; with --smoke, 2
+                      when the machine has 2 cores or more, each run on one thread)
+  --sbatch "ARGS"     extra sbatch options for --launcher slurm, e.g. "--partition=gpu --time=24:00:00"
+  --dry-run           print what would run, run nothing
+  --smoke             every experiment with --model tiny, seed 1, 2 steps, tiny evaluations, on the CPU
+  --report-only       write the report from the runs already in OUT
+  -h, --help          this text
+
+The flags after -- come last in every command, so they win. A finished run (results.json) is skipped, an
+interrupted one resumes from its checkpoint, a damaged results.json is named, kept aside
+(results.json.damaged-TIME) and the run redone from its checkpoint. A failed run is recorded
+(OUT/logs/<experiment>/<run>.log and .status), the others go on, and the summary names it (exit status 1).
+A lock (OUT/.lock, held for the sweep's life) keeps a second sweep, or a trainer, off the same folder."""
+
+
+class UsageError(Exception):
+    """Bad input: one `error:` line on stderr, exit status 2."""
+
+
+# ======================================================================================================
+# Options and the plan
+# ======================================================================================================
+
+
+@dataclass
+class Options:
+    experiments: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    model: str = "smollm2"
+    scale: str = "auto"
+    out: Path = Path("runs/sweep")
+    launcher: str = "seq"
+    gpus: int = 0  # 0: all visible
+    jobs: int = 1
+    sbatch: str = ""
+    dry_run: bool = False
+    smoke: bool = False
+    report_only: bool = False
+    slurm_task: int | None = None
+    budget_from: str = ""  # experiment/name of the run whose tokens and steps fill {tokens} and {steps}
+    extra: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    experiment: str
+    name: str
+    seed: int
+    script: str
+    flags: list[str]  # the plan line's flags, placeholders unfilled
+    dir: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.experiment}/{self.dir.name}"
+
+    @property
+    def needs_budget(self) -> bool:
+        return any(PLACEHOLDER.search(f) for f in self.flags)
+
+
+PLACEHOLDER = re.compile(r"\{(?:(\d+)\*)?(tokens|steps)\}")
+VALUED = ("--experiments", "--seeds", "--model", "--scale", "--out", "--launcher", "--gpus", "--jobs", "--sbatch")
+INTERNAL = ("--slurm-task", "--budget-from", "--default-experiments")
+
+
+def read_plan(text: str) -> tuple[list[tuple[str, str, str, list[str]]], dict[str, list[str]]]:
+    """sweep.sh's plan: (experiment, name, script, flags) per run line, and the smoke flags per script ('*': all)."""
+    lines, smoke = [], {}
+    for n, raw in enumerate(text.splitlines(), 1):
+        words = shlex.split(raw, comments=True)
+        if not words:
+            continue
+        if len(words) < 3:
+            raise UsageError(f"sweep.sh's plan, line {n}: want 'experiment name script flags...', got {raw.strip()!r}")
+        if words[0] == "smoke":
+            smoke[words[1]] = words[2:]
+        else:
+            lines.append((words[0], words[1], words[2], words[3:]))
+    return lines, smoke
+
+
+def positive(flag: str, value: str) -> int:
+    if not re.fullmatch(r"[1-9][0-9]*", value):
+        raise UsageError(f"{flag} {value} is not a positive number")
+    return int(value)
+
+
+def parse_args(argv: list[str], experiments: list[str]) -> Options:
+    """The options (sweep.sh's, then the user's); every check before anything is written."""
+    o, v = Options(), {}
+    default_exp = ""
+    args = list(argv)
+    while args:
+        a = args.pop(0)
+        if a == "--":
+            o.extra = args
+            break
+        if a.startswith("--") and "=" in a:
+            a, value = a.split("=", 1)
+            args.insert(0, value)
+        if a in ("-h", "--help"):
+            print(USAGE.format(experiments=", ".join(experiments), default=default_exp.replace(",", ", ")))
+            sys.exit(0)
+        elif a == "--dry-run":
+            o.dry_run = True
+        elif a == "--smoke":
+            o.smoke = True
+        elif a == "--report-only":
+            o.report_only = True
+        elif a in VALUED or a in INTERNAL:
+            if not args:
+                raise UsageError(f"{a} needs a value (./sweep.sh --help)")
+            value = args.pop(0)
+            if a == "--default-experiments":
+                default_exp = value
+            else:
+                v[a] = value
+        else:
+            raise UsageError(f"unknown option {a} (./sweep.sh --help)")
+
+    o.experiments = []
+    for e in v.get("--experiments", default_exp).split(","):
+        if e and e not in experiments:
+            raise UsageError(f"unknown experiment '{e}': choose from {', '.join(experiments)}")
+        if e and e not in o.experiments:
+            o.experiments.append(e)
+    if not o.experiments:
+        raise UsageError(f"--experiments is empty: choose from {', '.join(experiments)}")
+    seeds = v.get("--seeds", "1" if o.smoke else "1,2,3")
+    for s in seeds.split(","):
+        if s and not re.fullmatch(r"[0-9]+", s):
+            raise UsageError(f"--seeds {seeds}: '{s}' is not a seed (a whole number); e.g. --seeds 1,2,3")
+        if s:
+            o.seeds.append(int(s))
+    if not o.seeds:
+        raise UsageError("--seeds is empty: give one or more seeds, e.g. --seeds 1,2,3")
+    o.model = "tiny" if o.smoke else v.get("--model", o.model)
+    o.scale = "study" if o.smoke else v.get("--scale", o.scale)  # --smoke's flags are the scale: never rescaled
+    if o.scale not in SCALES:
+        raise UsageError(f"unknown --scale '{o.scale}': use auto, study or cpu")
+    o.out = Path(v.get("--out", "runs/smoke" if o.smoke else "runs/sweep")).absolute()
+    o.gpus = positive("--gpus", v["--gpus"]) if "--gpus" in v else 0
+    if "--jobs" in v:
+        o.jobs = positive("--jobs", v["--jobs"])
+    elif o.smoke:  # one run per core, two at most: the runs are small
+        o.jobs = min(2, len(os.sched_getaffinity(0)))
+    o.launcher = v.get("--launcher", "gpus" if o.gpus else "seq")
+    if o.launcher not in LAUNCHERS:
+        raise UsageError(f"unknown --launcher '{o.launcher}': use seq, gpus, torchrun or slurm")
+    if o.launcher != "seq" and "--jobs" in v:
+        raise UsageError("--jobs runs several runs at once on the CPU: it goes with --launcher seq")
+    o.sbatch = v.get("--sbatch", "")
+    o.budget_from = v.get("--budget-from", "")
+    if "--slurm-task" in v:
+        if not re.fullmatch(r"[0-9]+", v["--slurm-task"]):
+            raise UsageError(f"--slurm-task {v['--slurm-task']} is not a run of this plan")
+        o.slurm_task = int(v["--slurm-task"])
+    return o
+
+
+def make_runs(o: Options, lines: list[tuple[str, str, str, list[str]]]) -> list[Run]:
+    """One Run per chosen plan line and seed. The order is the schedule's: runs without a budget first, then those
+    that read one; within each, by experiment (in the plan's order), seed, then line."""
+    order = list(dict.fromkeys(e for e, *_ in lines))
+    runs = []
+    for budget in (False, True):
+        for exp in order:
+            if exp not in o.experiments:
+                continue
+            for seed in o.seeds:
+                for e, name, script, flags in lines:
+                    run = Run(e, name, seed, script, flags, o.out / e / f"{name}-s{seed}")
+                    if e == exp and run.needs_budget == budget:
+                        runs.append(run)
+    return runs
+
+
+# ======================================================================================================
+# The runs' state, the budget, the command
+# ======================================================================================================
+
+
+def states(runs: list[Run], dry_run: bool) -> list[str]:
+    """finished (a readable results.json), resume (a checkpoint) or new, per run. A damaged results.json is named
+    and renamed aside (never deleted), so the run is redone from its checkpoint; a folder left by a run that died
+    before its first checkpoint is renamed aside whole, so the run starts afresh."""
+    import runtime  # torch: seconds to import, so only once the options are good
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = []
+    for run in runs:
+        res = run.dir / "results.json"
+        if res.exists():
+            try:
+                r = runtime.read_results(res)
+                int(r["generated_tokens"]), int(r["steps"]), float(r["test"]["accuracy"])
+                out.append("finished")
+                continue
+            except runtime.UserError as e:
+                problem = str(e)
+            except (KeyError, TypeError, ValueError) as e:
+                problem = f"{res} is damaged: missing or malformed {e}"
+            if dry_run:
+                print(f"warning: {problem}; the sweep would set it aside and redo the run", file=sys.stderr)
+            else:
+                aside = res.with_name(f"results.json.damaged-{stamp}")
+                res.rename(aside)
+                print(f"warning: {problem}; kept as {aside.name}, redoing the run", file=sys.stderr)
+        if runtime.find_checkpoint(run.dir) is not None:
+            out.append("resume")
+            continue
+        if run.dir.is_dir() and any(p.name not in ("tb", ".lock") for p in run.dir.iterdir()):
+            aside = run.dir.with_name(f"{run.dir.name}.interrupted-{stamp}")
+            if dry_run:
+                print(
+                    f"warning: {run.dir} holds a run that never saved a checkpoint; it would move to {aside}",
+                    file=sys.stderr,
+                )
+            else:
+                run.dir.rename(aside)
+                print(f"warning: {run.dir} held a run that never saved a checkpoint; moved to {aside}", file=sys.stderr)
+        out.append("new")
+    return out
+
+
+def read_budget(ref: Path) -> tuple[int, int]:
+    """A reference run's generated training tokens and steps, from its results.json."""
+    path = ref / "results.json"
+    if not path.is_file():
+        raise UsageError(f"no budget: the reference run {ref} has no results.json (failed or not run)")
+    try:
+        r = json.loads(path.read_text())
+        tokens, steps = int(r["generated_tokens"]), int(r["steps"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"no budget: {path} is damaged ({e})") from None
+    if tokens <= 0:
+        raise UsageError(f"no budget: {path} records no generated tokens")
+    return tokens, steps
+
+
+def fill(flags: list[str], budget: tuple[int, int] | None, ref: Path) -> list[str]:
+    """The plan line's flags with {tokens}, {steps} and {N*steps} filled in (budget None: shown symbolically)."""
+
+    def one(m: re.Match) -> str:
+        times, what = int(m.group(1) or 1), m.group(2)
+        if budget is None:
+            name = f"generated_tokens of {ref}" if what == "tokens" else "its steps"
+            return f"<{times} x {name}>" if times > 1 else f"<{name}>"
+        return str(times * (budget[0] if what == "tokens" else budget[1]))
+
+    return [PLACEHOLDER.sub(one, f) for f in flags]
+
+
+def command(o: Options, run: Run, smoke: dict[str, list[str]], budget: tuple[int, int] | None) -> list[str]:
+    """The run's command: the launcher, the script, the sweep's flags, the smoke sizes, the plan line, the extra."""
+    if o.launcher == "torchrun" or (o.launcher == "slurm" and o.gpus > 1):
+        prefix = ["torchrun", "--standalone", f"--nproc_per_node={o.gpus}"]
+    else:
+        prefix = [PYTHON]
+    cmd = [*prefix, run.script, "--run-dir", str(run.dir), "--seed", str(run.seed)]
+    cmd += ["--model", o.model, "--scale", o.scale, "--no-progress"]
+    if o.smoke:
+        cmd += smoke.get("*", []) + smoke.get(run.script, [])
+        if "--pairs gold" not in " ".join(run.flags):
+            cmd += ["--task", "toy"]
+    return cmd + fill(run.flags, budget, reference(o, run)) + o.extra
+
+
+def reference(o: Options, run: Run) -> Path:
+    return o.out / f"{o.budget_from}-s{run.seed}"
+
+
+# ======================================================================================================
+# The lock: an OS-level lock (flock) on OUT/.lock for the sweep's life, its holder in the file as one JSON line
+# ======================================================================================================
+
+
+def holder_of(path: Path) -> str | None:
+    """Who holds the lock on path ("a sweep (pid N)", "a trainer (ppo.py, pid N)"), or None when it is free."""
+    try:
+        f = open(path, "r+") if path.exists() else None  # never creates it
+    except OSError:
+        return None  # unreadable: the trainer itself will say why
+    if f is None:
+        return None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return None  # closing the file releases it
+        except BlockingIOError:
+            return describe_holder(f.read())
+
+
+def describe_holder(text: str) -> str:
+    try:
+        info = json.loads(text)
+        pid, holder = int(info["pid"]), str(info["holder"])
+    except (ValueError, KeyError, TypeError):
+        return "another process (its lock file names none)"
+    return f"a sweep (pid {pid})" if holder == "sweep" else f"a trainer ({holder}, pid {pid})"
+
+
+def take_lock(path: Path) -> int:
+    """Lock path for this process's life (the file descriptor stays open) and write the holder into it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no truncation before the lock: the holder's line stays
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 4096, 0).decode(errors="replace")
+        os.close(fd)
+        raise UsageError(f"{path.parent} is in use by {describe_holder(text)}, which holds {path}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "holder": "sweep"}) + "\n").encode(), 0)
+    return fd
+
+
+# ======================================================================================================
+# Running: one run, then the pool of slots (GPUs, CPU jobs, or one) that every launcher but SLURM uses
+# ======================================================================================================
+
+
+class Sweep:
+    """The chosen runs, their states and budgets, and the trainers running now (one per slot)."""
+
+    def __init__(self, o: Options, runs: list[Run], smoke: dict[str, list[str]]):
+        self.o, self.runs, self.smoke = o, runs, smoke
+        self.state: list[str] = []
+        self.budgets: dict[Path, tuple[int, int]] = {}
+        self.live: dict[str, tuple[int, subprocess.Popen, float]] = {}  # slot -> (run index, process, start)
+        self.stop = False
+
+    def log(self, i: int, suffix: str) -> Path:
+        r = self.runs[i]
+        return self.o.out / "logs" / r.experiment / f"{r.dir.name}.{suffix}"
+
+    def budget(self, run: Run) -> tuple[int, int] | None:
+        if not run.needs_budget:
+            return None
+        ref = reference(self.o, run)
+        if ref not in self.budgets:
+            self.budgets[ref] = read_budget(ref)
+        return self.budgets[ref]
+
+    def record(self, i: int, status: str) -> None:
+        self.log(i, "status").write_text(status + "\n")
+
+    def start(self, i: int, slot: str) -> None:
+        """Start run i on slot (a GPU id, cpu<k>, or ''), its output into its log; a run that cannot start fails."""
+        run, log = self.runs[i], self.log(i, "log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            holder = holder_of(run.dir / ".lock")
+            if holder is not None:
+                raise UsageError(f"{run.dir} is in use by {holder}")
+            cmd = command(self.o, run, self.smoke, self.budget(run))
+        except UsageError as e:
+            print(f"FAIL  {run.label}: {e}", flush=True)
+            with open(log, "a") as f:
+                f.write(f"=== {time.strftime('%F %T')} {e}\n")
+            self.record(i, f"failed 1 0 {e}")
+            return
+        note = ""
+        if self.state[i] == "resume":
+            cmd.append("--resume")
+            note = " (resuming from its checkpoint)"
+        gpu = slot if slot and not slot.startswith("cpu") else ""
+        print(f"run   {run.label}{f' on GPU {gpu}' if gpu else ''}{note}: {' '.join(cmd)}", flush=True)
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
+        if self.o.smoke:
+            env.setdefault("OMP_NUM_THREADS", "1")  # one thread per run: far faster on a small, shared CPU
+        with open(log, "a") as f:
+            f.write(f"=== {time.strftime('%F %T')} {' '.join(cmd)}\n")
+            f.flush()
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=f)
+        self.live[slot] = (i, proc, time.time())
+
+    def finish(self, slot: str) -> None:
+        i, proc, t0 = self.live.pop(slot)
+        run, log, rc, secs = self.runs[i], self.log(i, "log"), proc.returncode, round(time.time() - t0)
+        if rc == 0 and (run.dir / "results.json").is_file():
+            self.record(i, f"ok 0 {secs}")
+            print(f"done  {run.label} in {secs}s", flush=True)
+        elif rc == 0:
+            self.record(i, f"stopped 0 {secs}")
+            print(f"stop  {run.label}: stopped by a signal, checkpoint saved; ./sweep.sh resumes it", flush=True)
+        else:
+            self.record(i, f"failed {rc} {secs}")
+            tail = log.read_text(errors="replace").splitlines()[-3:]
+            print(f"FAIL  {run.label}: exit {rc} after {secs}s; last lines of {log}:", flush=True)
+            print("\n".join(f"      {line}" for line in tail), flush=True)
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        """Every trainer finishes its step, saves and exits on SIGTERM; --resume continues it."""
+        self.stop = True
+        for _, proc, _ in self.live.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def pool(self, indices: list[int], slots: list[str]) -> None:
+        """One run per slot at a time; a freed slot takes the next run. Waits for every run it started."""
+        queue = list(indices)
+        while queue or self.live:
+            for slot in [s for s, (_, p, _) in self.live.items() if p.poll() is not None]:
+                self.finish(slot)
+            while queue and not self.stop:
+                if self.state[queue[0]] == "finished":
+                    print(f"skip  {self.runs[queue.pop(0)].label}: finished", flush=True)
+                    continue
+                free = [s for s in slots if s not in self.live]
+                if not free:
+                    break
+                self.start(queue.pop(0), free[0])
+            if self.stop:
+                queue = []
+            if self.live:
+                time.sleep(0.2)
+
+    def summary(self) -> tuple[int, bool]:
+        """One line per unfinished run, then the count; (finished runs, whether a run failed)."""
+        n_ok, failed, bad = 0, False, []
+        for i, run in enumerate(self.runs):
+            if (run.dir / "results.json").is_file():
+                n_ok += 1
+                continue
+            status = self.log(i, "status")
+            st = status.read_text().split() if status.is_file() else ["not-run"]
+            if st[0] == "failed":
+                bad.append(f"{run.label} (exit {st[1]}; log {self.log(i, 'log')})")
+                failed = True
+            elif st[0] == "stopped":
+                bad.append(f"{run.label} (stopped; ./sweep.sh resumes it)")
+            else:
+                bad.append(f"{run.label} (not run)")
+        print(f"sweep: {n_ok} of {len(self.runs)} runs finished in {self.o.out}")
+        for b in bad:
+            print(f"  unfinished: {b}")
+        return n_ok, failed
+
+
+def gpu_ids(o: Options) -> list[str]:
+    """The GPUs to use: CUDA_VISIBLE_DEVICES' entries, else nvidia-smi's, the first --gpus of them."""
+    ids = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    if not ids:
+        try:
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True
+            )
+            ids = smi.stdout.split() if smi.returncode == 0 else []
+        except OSError:
+            ids = []
+    if o.gpus:
+        ids = (ids or [str(g) for g in range(o.gpus)])[: o.gpus]  # none found: a dry run on a machine without GPUs
+    if not ids:
+        raise UsageError("no GPU found (nvidia-smi): pass --gpus N, or use --launcher seq")
+    return ids
+
+
+# ======================================================================================================
+# SLURM: one array job for the runs without a budget, one after it for those with one, then the report
+# ======================================================================================================
+
+
+def submit_slurm(s: Sweep) -> None:
+    o = s.o
+    if not o.dry_run and subprocess.run(["sh", "-c", "command -v sbatch"], capture_output=True).returncode != 0:
+        raise UsageError("--launcher slurm needs sbatch, which is not on PATH")
+    task = o.out / "slurm" / "task.sh"
+    again = ["--experiments", ",".join(o.experiments), "--seeds", ",".join(map(str, o.seeds)), "--model", o.model]
+    again += ["--scale", o.scale, "--out", str(o.out), "--launcher", "slurm"]
+    again += [*(["--gpus", str(o.gpus)] if o.gpus else []), *(["--smoke"] if o.smoke else [])]
+    line = f'exec ./sweep.sh {shlex.join(again)} --slurm-task "$SLURM_ARRAY_TASK_ID"'
+    if o.extra:
+        line += " " + shlex.join(["--", *o.extra])
+    if not o.dry_run:
+        (o.out / "logs").mkdir(parents=True, exist_ok=True)
+        task.parent.mkdir(parents=True, exist_ok=True)
+        task.write_text(
+            "#!/usr/bin/env bash\n# one run of the sweep per array task (written by sweep.sh); SIGTERM reaches the"
+            f" trainer, which saves\ncd {shlex.quote(str(REPO))}\n{line}\n"
+        )
+        task.chmod(0o755)
+    opts = ["--parsable", "--requeue", "--open-mode=append", "--signal=B:TERM@300", f"--gres=gpu:{o.gpus or 1}"]
+    opts += [f"--output={o.out}/logs/slurm-%A_%a.out", *shlex.split(o.sbatch)]
+    dep: list[str] = []
+    todo = [i for i, st in enumerate(s.state) if st != "finished"]
+    for name, part, what in (
+        ("sweep", [i for i in todo if not s.runs[i].needs_budget], "the runs without a budget"),
+        ("sweep-h2h", [i for i in todo if s.runs[i].needs_budget], "the budget-matched runs (after the others)"),
+        ("sweep-report", None, "the report"),
+    ):
+        if part == []:
+            continue
+        if part is None:
+            wrap = f"cd {shlex.quote(str(REPO))} && {shlex.quote(PYTHON)} report.py {shlex.quote(str(o.out))}"
+            args = ["--parsable", *dep, f"--job-name={name}", f"--output={o.out}/logs/report-%j.out", "--wrap", wrap]
+        else:
+            args = [*opts, *dep, f"--job-name={name}", f"--array={','.join(map(str, part))}", str(task)]
+        if o.dry_run:
+            print("sbatch " + shlex.join(args))
+            jid = name
+        else:
+            jid = subprocess.run(["sbatch", *args], capture_output=True, text=True, check=True).stdout.strip()
+            print(f"submitted {what} as job {jid}")
+        dep = [f"--dependency=afterany:{jid.split(';')[0]}"]
+    if not o.dry_run:
+        print(f"watch with: squeue --me; logs in {o.out}/logs/")
+
+
+def slurm_task(s: Sweep, i: int) -> int:
+    """Inside an array task: one run, requeued when a signal stopped it."""
+    if i >= len(s.runs):
+        raise UsageError(f"--slurm-task {i} is not a run of this plan")
+    s.o.launcher = "torchrun" if s.o.gpus > 1 else "seq"
+    s.state = [""] * len(s.runs)
+    s.state[i] = states([s.runs[i]], False)[0]
+    s.pool([i], [""])
+    st = s.log(i, "status").read_text().split()[0] if s.log(i, "status").is_file() else "ok"
+    if st == "stopped" and os.environ.get("SLURM_JOB_ID"):
+        job, task = (
+            os.environ.get("SLURM_ARRAY_JOB_ID", os.environ["SLURM_JOB_ID"]),
+            os.environ.get("SLURM_ARRAY_TASK_ID"),
+        )
+        subprocess.run(["scontrol", "requeue", f"{job}_{task}" if task else job])
+    return 1 if st == "failed" else 0
+
+
+# ======================================================================================================
+# main
+# ======================================================================================================
+
+
+def report(o: Options) -> int:
+    return subprocess.run([PYTHON, str(REPO / "report.py"), str(o.out)], cwd=REPO).returncode
+
+
+def main(argv: list[str]) -> int:
+    lines, smoke = read_plan("" if sys.stdin.isatty() else sys.stdin.read())
+    if not lines:
+        raise UsageError("sweep_runner.py reads its plan from sweep.sh on stdin: run ./sweep.sh")
+    o = parse_args(argv, list(dict.fromkeys(e for e, *_ in lines)))
+    if o.report_only:
+        return report(o)
+    runs = make_runs(o, lines)
+    s = Sweep(o, runs, smoke)
+    signal.signal(signal.SIGTERM, s.on_signal)  # from here on a signal stops the sweep as it stops the trainers
+    signal.signal(signal.SIGINT, s.on_signal)
+    if o.slurm_task is not None:
+        return slurm_task(s, o.slurm_task)
+    if o.launcher == "torchrun":
+        if not o.dry_run and subprocess.run(["sh", "-c", "command -v torchrun"], capture_output=True).returncode:
+            raise UsageError("--launcher torchrun needs torchrun on PATH")
+        o.gpus = o.gpus or len(gpu_ids(o))
+    slots = [""]
+    if o.launcher == "gpus":
+        slots = gpu_ids(o)
+    elif o.launcher == "seq" and o.jobs > 1:
+        slots = [f"cpu{k}" for k in range(1, o.jobs + 1)]
+    if not o.dry_run:
+        o.out.mkdir(parents=True, exist_ok=True)
+        take_lock(o.out / ".lock")  # held until this process exits: two sweeps on one folder would run runs twice
+    s.state = states(runs, o.dry_run)
+    jobs = f" ({o.jobs} at once)" if len(slots) > 1 and o.launcher == "seq" else ""
+    print(
+        f"sweep: {len(o.experiments)} experiment(s) ({' '.join(o.experiments)}), seeds {' '.join(map(str, o.seeds))},"
+        f" model {o.model}, scale {o.scale}, launcher {o.launcher}{jobs}: {len(runs)} runs into {o.out}",
+        flush=True,
+    )
+    if o.dry_run:
+        for i, run in enumerate(runs):
+            if s.state[i] == "finished":
+                print(f"# {run.label}: finished")
+                continue
+            budget = None  # a reference that has not run yet: its budget shown symbolically
+            if run.needs_budget and (reference(o, run) / "results.json").is_file():
+                try:
+                    budget = s.budget(run)
+                except UsageError as e:
+                    print(f"# {run.label}: {e}")
+                    continue
+            cmd = command(o, run, smoke, budget) + (["--resume"] if s.state[i] == "resume" else [])
+            print(" ".join((["CUDA_VISIBLE_DEVICES=<free GPU>"] if o.launcher == "gpus" else []) + cmd))
+        if o.launcher == "slurm":
+            submit_slurm(s)
+        return 0
+    plan_tsv = o.out / "plan.tsv"  # report.py names the planned runs that did not finish
+    plan_tsv.write_text("".join(f"{r.experiment}\t{r.name}\t{r.dir}\n" for r in runs))
+    if o.launcher == "slurm":
+        submit_slurm(s)
+        return 0
+    if o.launcher == "gpus":
+        print(f"one run per GPU on GPUs {' '.join(slots)}", flush=True)
+    elif len(slots) > 1:
+        print(f"{len(slots)} runs at once on the CPU", flush=True)
+    t0 = time.time()
+    for budget in (False, True):  # the budget-matched runs after every other, their references among them
+        s.pool([i for i, r in enumerate(runs) if r.needs_budget == budget], slots)
+    print(f"sweep: ran for {round(time.time() - t0)}s")
+    n_ok, failed = s.summary()
+    if s.stop:
+        print("sweep: stopped by a signal; run the same command again to resume")
+        return 130
+    rc = report(o) if n_ok else 0
+    return 1 if failed else rc
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
