@@ -391,7 +391,7 @@ def main() -> None:
                             "pg_loss": pg_loss * m,
                             "clipfrac": clipped * m,
                             "entropy": entropy * m,
-                            "approx_kl": common.kl_estimate(old_logp[rows], logp, "k3") * m,  # KL(old || new)
+                            "approx_kl": common.kl_estimate(old_logp[rows].double(), logp.double(), "k3") * m,
                             "tokens": m,
                         }
                         for key, v in stats.items():
