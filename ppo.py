@@ -453,7 +453,7 @@ def main() -> None:
                             "pg_loss": pg_loss * m,
                             "clipfrac": clipped * m,
                             "entropy": entropy * m,
-                            "approx_kl": common.kl_estimate(old_logp[rows].double(), logp.double(), "k3") * m,
+                            "approx_kl": common.kl_estimate(old_logp[rows].double(), logp, "k3") * m,  # float64
                             "tokens": m,
                         }
                         if values is not None:
