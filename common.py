@@ -442,7 +442,7 @@ def loss_weights(
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimates of KL(pi || ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
 
-    k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = ref / pi.  [B, T] x2 -> [B, T]
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = ref / pi (via expm1).  [B, T] x2 -> [B, T]
     """
     log_ratio = logp - ref_logp
     if kind == "k1":
@@ -450,7 +450,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     if kind == "k2":
         return 0.5 * log_ratio**2
     if kind == "k3":
-        return torch.exp(-log_ratio) - 1.0 + log_ratio
+        return torch.expm1(-log_ratio) + log_ratio  # expm1: no cancellation to 0 when the ratio is ~1
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 
