@@ -292,7 +292,7 @@ def test_preference_and_reward_rise_on_the_toy_task(tmp_path):
     assert len(measured) >= 8, "too few steps with pairs to compare"
     for r in rows:
         if r["pairs"] == 0:
-            assert r["reward_accuracy"] is None and r["margin"] is None
+            assert math.isnan(r["reward_accuracy"]) and math.isnan(r["margin"])  # nothing measured: NaN
     early, late = measured[: len(measured) // 2], measured[len(measured) // 2 :]
     shown = [(r["step"], r["pairs"], round(r["reward_accuracy"], 2), round(r["margin"], 1)) for r in measured]
     assert pooled(late, "margin") >= pooled(early, "margin") + 1.0 and pooled(late, "margin") > 1.0, shown
