@@ -81,9 +81,10 @@ def run_main(main: Callable[[], Any]) -> None:
             print("error: interrupted (SIGINT) during start-up; nothing was saved", file=sys.stderr, flush=True)
         code = EXIT_INTERRUPTED
     except OSError as e:
+        if not e.filename:  # not a file-system error: the traceback is what helps
+            raise
         if main_rank:
-            where = f"{e.filename}: " if e.filename else ""
-            print(f"error: {where}{e.strerror or e}", file=sys.stderr, flush=True)
+            print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr, flush=True)
         code = 1
     finally:
         release_run_lock()
@@ -999,8 +1000,12 @@ def _load_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimi
             planner=_SafeDCPPlanner(),
             no_dist=not (dist.is_available() and dist.is_initialized()),
         )
-    except pickle.UnpicklingError as e:
-        raise UserError(f"checkpoint {path.parent} is refused: {e}; it was left in place") from None
+    except Exception as e:  # DCP wraps a reader's error (on the coordinator) in one CheckpointException per rank
+        if _DCP_REFUSED in str(e) or isinstance(e, pickle.UnpicklingError):
+            why = next((ln.strip() for ln in str(e).splitlines() if _DCP_REFUSED in ln), str(e))
+            why = why.rsplit("failed: ", 1)[-1].split("; rank local")[0]
+            raise UserError(f"checkpoint {path.parent} is refused ({why}); it was left in place") from None
+        raise
     set_state_dict(modules, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
 
 
@@ -1017,6 +1022,9 @@ _DCP_GLOBALS = {
 }
 
 
+_DCP_REFUSED = "which a checkpoint never holds"
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         obj = None
@@ -1030,7 +1038,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         elif (module, name) in _DCP_GLOBALS:
             obj = super().find_class(module, name)
         if obj is None:
-            raise pickle.UnpicklingError(f"dcp/.metadata names {module}.{name}, which a checkpoint never holds")
+            raise pickle.UnpicklingError(f"dcp/.metadata names {module}.{name}, {_DCP_REFUSED}")
         return obj
 
 
@@ -1057,7 +1065,10 @@ def _dcp_planner_class() -> type:
 
     class Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
-            obj = torch.load(value, weights_only=True)
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                raise pickle.UnpicklingError(f"a dcp/ byte entry names code, {_DCP_REFUSED}") from None
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:

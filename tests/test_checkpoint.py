@@ -328,3 +328,16 @@ def test_a_crafted_dcp_metadata_pickle_is_refused_and_never_run(finished_run, tm
     line = check_one_error_line(run_here("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
     assert not marker.exists(), "the checkpoint ran code"
     assert str(ckpt) in line
+
+
+def test_a_genuine_dcp_checkpoint_loads_through_the_restricted_reader(tmp_path):
+    """What --fsdp saves (here in one process) still loads: weights and Adam's moments back bitwise."""
+    _, policy, critic, opt, _ = tiny_training_state(seed=0)
+    runtime._save_shards(tmp_path / "dcp", policy, critic, opt)
+    _, policy2, critic2, opt2, _ = tiny_training_state(seed=1)
+    runtime._load_shards(tmp_path / "dcp", policy2, critic2, opt2)
+    for a, b in zip(list(policy.state_dict().values()) + list(critic.state_dict().values()),
+                    list(policy2.state_dict().values()) + list(critic2.state_dict().values())):  # fmt: skip
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
