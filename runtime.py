@@ -993,19 +993,24 @@ def _load_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimi
     modules = _training_modules(policy, critic)
     model_state, optim_state = get_state_dict(modules, optimizer)
     both = {"model": model_state, "optim": optim_state}
+    try:  # read (restricted) before DCP does: its own fallbacks would log tracebacks on the way to a refusal
+        with open(path / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:  # a crafted or damaged pickle can raise anything
+        raise UserError(f"checkpoint {path.parent} is refused (dcp/.metadata: {e}); it was left in place") from None
     try:
         dcp.load(
             both,
-            storage_reader=_SafeDCPReader(path),
+            storage_reader=_SafeDCPReader(path, metadata),
             planner=_SafeDCPPlanner(),
             no_dist=not (dist.is_available() and dist.is_initialized()),
         )
-    except Exception as e:  # DCP wraps a reader's error (on the coordinator) in one CheckpointException per rank
-        if _DCP_REFUSED in str(e) or isinstance(e, pickle.UnpicklingError):
-            why = next((ln.strip() for ln in str(e).splitlines() if _DCP_REFUSED in ln), str(e))
-            why = why.rsplit("failed: ", 1)[-1].split("; rank local")[0]
-            raise UserError(f"checkpoint {path.parent} is refused ({why}); it was left in place") from None
-        raise
+    except Exception as e:  # DCP wraps a rank's error in a CheckpointException: its .failures hold the causes
+        causes = [str(f[0] if isinstance(f, tuple) else f) for f in getattr(e, "failures", {}).values()] + [str(e)]
+        why = next((c for c in causes if _DCP_REFUSED in c), None)
+        if why is None:
+            raise
+        raise UserError(f"checkpoint {path.parent} is refused ({why}); it was left in place") from None
     set_state_dict(modules, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
 
 
@@ -1047,10 +1052,12 @@ def _dcp_reader_class() -> type:
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class Reader(FileSystemReader):
+        def __init__(self, path: Path, metadata: Any) -> None:
+            super().__init__(path)
+            self.checked_metadata = metadata  # read by _MetadataUnpickler
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            metadata = self.checked_metadata
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -1077,8 +1084,8 @@ def _dcp_planner_class() -> type:
     return Planner
 
 
-def _SafeDCPReader(path: Path) -> Any:  # noqa: N802 (a class, built lazily: DCP imports are slow)
-    return _dcp_reader_class()(path)
+def _SafeDCPReader(path: Path, metadata: Any) -> Any:  # noqa: N802 (a class, built lazily: DCP imports are slow)
+    return _dcp_reader_class()(path, metadata)
 
 
 def _SafeDCPPlanner() -> Any:  # noqa: N802
