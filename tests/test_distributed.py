@@ -194,9 +194,9 @@ def assert_same_weights(one: Path, two: Path, seed: int = 1) -> None:
     # summation order: one process or an all-reduce of two halves) steps by up to lr in a direction the rounding
     # picks. The largest difference can then reach the largest move (a 1% bound on the maxima passed at 0.11%
     # and failed at 1.2% on another run); over the ~3M weights such elements are rare, and the mean difference
-    # measures agreement: grpo measured 1.7e-6 of the mean move, so 1e-3 leaves a margin of ~600.
+    # measures agreement: grpo measured 1.7e-6 of the mean move; 1e-2, the old bound, leaves a margin of ~6000.
     ratio = (differ.mean() / moved.mean()).item()
-    assert moved.mean() > 1e-7 and ratio < 1e-3, f"mean |one - two| / mean |one - init| = {ratio:.3g}"
+    assert moved.mean() > 1e-7 and ratio < 1e-2, f"mean |one - two| / mean |one - init| = {ratio:.3g}"
 
 
 def step_rows(run_dir: Path) -> list[dict]:
