@@ -48,22 +48,31 @@ class Problem:
 
 
 def _read_jsonl(path: Path) -> list[Problem]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return _parse_jsonl(path, f)
+    except UnicodeDecodeError as e:
+        raise runtime.UserError(f"{path} is not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise runtime.UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _parse_jsonl(path: Path, f: Any) -> list[Problem]:
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                question, solution = row["question"], row["answer"]
-                if not isinstance(question, str) or not isinstance(solution, str):
-                    raise TypeError("question and answer must be strings")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise runtime.UserError(f"{path}:{lineno}: malformed GSM8K line ({type(e).__name__}: {e})") from None
-            gold = extract_final_answer(solution)
-            if gold is None:
-                raise runtime.UserError(f"{path}:{lineno}: the answer has no final '#### N' number")
-            problems.append(Problem(question, solution, gold))
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            question, solution = row["question"], row["answer"]
+            if not isinstance(question, str) or not isinstance(solution, str):
+                raise TypeError("question and answer must be strings")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise runtime.UserError(f"{path}:{lineno}: malformed GSM8K line ({type(e).__name__}: {e})") from None
+        gold = extract_final_answer(solution)
+        if gold is None:
+            raise runtime.UserError(f"{path}:{lineno}: the answer has no final '#### N' number")
+        problems.append(Problem(question, solution, gold))
     return problems
 
 
@@ -354,6 +363,9 @@ TOY_TARGET_MODULUS = 16
 def toy_reward(completion_ids: Sequence[int]) -> float:
     """1.0 when the completion holds a token from the target set (ids divisible by 16), else 0.0."""
     return 1.0 if any(int(t) % TOY_TARGET_MODULUS == 0 for t in completion_ids) else 0.0
+
+
+TASKS = ("gsm8k", "toy")  # what score() knows
 
 
 def score(task: str, texts: Sequence[str], token_ids: Sequence[Sequence[int]], golds: Sequence[str]) -> list[float]:

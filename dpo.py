@@ -46,6 +46,8 @@ class Args:
     """seed of the model init, the data order and the sampling"""
     resume: bool = False
     """continue the run in run_dir from its checkpoint"""
+    resume_from_backup: bool = False
+    """with --resume, accept the previous checkpoint a killed save set aside (.checkpoint.old-*) when checkpoint/ is gone"""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda"""
     fsdp: bool = False
@@ -130,6 +132,22 @@ class Args:
     """checkpoint every this many steps (and at the end, and on SIGTERM)"""
 
 
+def validate(args: Args) -> None:
+    """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
+    if args.task not in common.TASKS:
+        raise runtime.UserError(f"unknown --task {args.task!r}: use {' or '.join(common.TASKS)}")
+    runtime.check_ranges(
+        args,
+        positive=("batch_size", "samples_per_prompt", "max_new_tokens", "temperature", "lr", "max_grad_norm",
+                  "micro_batch_size", "offline_prompts", "beta", "update_epochs", "eval_batch_size",
+                  "eval_max_new_tokens"),
+        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "eval_every",
+                      "eval_size", "test_size", "save_every"),
+        probability=("top_p",),
+        seeds=("seed",),
+    )  # fmt: skip
+
+
 # What `python dpo.py` runs on a machine without a GPU, so that it ends in minutes on 2 cores.
 CPU_SCALE = dict(
     batch_size=4,
@@ -153,6 +171,7 @@ def main() -> None:
     # setup
     # ==================================================================================================
     args = tyro.cli(Args)
+    validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
     scaled = runtime.apply_cpu_scale(args, device, CPU_SCALE)
@@ -168,8 +187,20 @@ def main() -> None:
         raise runtime.UserError(f"--beta {args.beta} must be positive")
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     micro = args.micro_batch_size
+    sampled = args.batch_size // world if args.online else args.eval_batch_size  # prompts per sampling batch
+    runtime.check_generation_memory(
+        args.model,
+        device,
+        {
+            "--batch-size (online) or --eval-batch-size (offline) x --samples-per-prompt": (
+                sampled * args.samples_per_prompt,
+                args.max_new_tokens,
+            ),
+            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+        },
+    )
     run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
-    runtime.prepare_run_dir(run_dir, args.resume, dist_.main)
+    runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     if not args.resume and (run_dir / "pairs.jsonl").exists():  # only a resume reuses them, under its own checks
         raise runtime.UserError(
             f"{run_dir} holds pairs.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
@@ -198,6 +229,7 @@ def main() -> None:
     ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
     actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
+    guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
     opt_steps = args.total_steps * args.update_epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: common.lr_factor(s, args.warmup_steps, opt_steps, args.lr_schedule)
@@ -453,6 +485,7 @@ def main() -> None:
                     # mean over the step's real pairs on all ranks; DDP averages, so scale by world
                     loss = (loss_pair * weights[sl]).sum() / n_real * world
                 loss.backward()
+                guard.track(loss)
                 with torch.no_grad():
                     w = weights[sl]
                     stats_mb = {
@@ -466,7 +499,8 @@ def main() -> None:
                     for key, v in stats_mb.items():
                         sums[key] = sums.get(key, 0.0) + v.item()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            optimizer.step()
+            if guard.ok(step + 1, grad_norm):  # else skipped: zero_grad drops its gradients
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
@@ -484,6 +518,7 @@ def main() -> None:
             {
                 "pairs": n_real,
                 "grad_norm": sums.get("grad_norm", 0.0) / max(1, args.update_epochs),
+                "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
                 "time/rollout": t_rollout,
                 "time/update": t_update,

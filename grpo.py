@@ -44,6 +44,8 @@ class Args:
     """seed of the model init, the data order and the sampling"""
     resume: bool = False
     """continue the run in run_dir from its checkpoint"""
+    resume_from_backup: bool = False
+    """with --resume, accept the previous checkpoint a killed save set aside (.checkpoint.old-*) when checkpoint/ is gone"""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda"""
     fsdp: bool = False
@@ -144,6 +146,22 @@ class Args:
     """checkpoint every this many steps (and at the end, and on SIGTERM)"""
 
 
+def validate(args: Args) -> None:
+    """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
+    if args.task not in common.TASKS:
+        raise runtime.UserError(f"unknown --task {args.task!r}: use {' or '.join(common.TASKS)}")
+    runtime.check_ranges(
+        args,
+        positive=("batch_size", "max_new_tokens", "temperature", "lr", "max_grad_norm", "micro_batch_size",
+                  "update_epochs", "num_minibatches", "clip_eps", "clip_eps_high", "eval_batch_size",
+                  "eval_max_new_tokens") + (("mc_prompts",) if args.mc_every else ()),
+        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "kl_coef", "mc_every",
+                      "eval_every", "eval_size", "test_size", "save_every"),
+        probability=("top_p",),
+        seeds=("seed",),
+    )  # fmt: skip
+
+
 # What `python grpo.py` runs on a machine without a GPU, so that it ends in minutes on 2 cores.
 CPU_SCALE = dict(
     batch_size=2,
@@ -168,6 +186,7 @@ def main() -> None:
     # setup
     # ==================================================================================================
     args = tyro.cli(Args)
+    validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
     scaled = runtime.apply_cpu_scale(args, device, CPU_SCALE)
@@ -200,8 +219,16 @@ def main() -> None:
         runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
         if args.mc_prompts > args.batch_size:
             raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
+    runtime.check_generation_memory(
+        args.model,
+        device,
+        {
+            "--batch-size x --group-size": (local_rollouts, args.max_new_tokens),
+            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+        },
+    )
     run_dir = Path(args.run_dir or f"runs/grpo-s{args.seed}")
-    runtime.prepare_run_dir(run_dir, args.resume, dist_.main)
+    runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     tokenizer = runtime.load_tokenizer(args.model)
@@ -226,6 +253,7 @@ def main() -> None:
     ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
     actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
+    guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
     opt_steps = args.total_steps * args.update_epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: common.lr_factor(s, args.warmup_steps, opt_steps, args.lr_schedule)
@@ -419,6 +447,7 @@ def main() -> None:
                         w = common.loss_weights(m, args.loss_norm, n_tok, n_seq, args.max_new_tokens)
                         loss = (loss_tok * w).sum() * world
                     loss.backward()
+                    guard.track(loss)
                     with torch.no_grad():
                         stats = {
                             "pg_loss": (pg_loss * m).sum(),
@@ -432,7 +461,8 @@ def main() -> None:
                             sums[key] = sums.get(key, 0.0) + v.item()
                         sums["tokens"] = sums.get("tokens", 0.0) + m.sum().item()
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                optimizer.step()
+                if guard.ok(step + 1, grad_norm):  # else skipped: zero_grad drops its gradients
+                    optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
@@ -475,6 +505,7 @@ def main() -> None:
                 "approx_kl": akl / ntok,
                 "groups_all_equal": neq / ngroups,
                 "grad_norm": sums["grad_norm"] / (args.update_epochs * args.num_minibatches),
+                "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
                 "generated_tokens": counters["generated_tokens"],
                 "time/rollout": t_rollout,

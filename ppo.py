@@ -45,6 +45,8 @@ class Args:
     """seed of the model init, the data order and the sampling"""
     resume: bool = False
     """continue the run in run_dir from its checkpoint"""
+    resume_from_backup: bool = False
+    """with --resume, accept the previous checkpoint a killed save set aside (.checkpoint.old-*) when checkpoint/ is gone"""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda"""
     fsdp: bool = False
@@ -159,6 +161,23 @@ class Args:
     """checkpoint every this many steps (and at the end, and on SIGTERM)"""
 
 
+def validate(args: Args) -> None:
+    """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
+    if args.task not in common.TASKS:
+        raise runtime.UserError(f"unknown --task {args.task!r}: use {' or '.join(common.TASKS)}")
+    runtime.check_ranges(
+        args,
+        positive=("batch_size", "rollouts_per_prompt", "max_new_tokens", "temperature", "lr", "critic_lr",
+                  "max_grad_norm", "micro_batch_size", "update_epochs", "num_minibatches", "clip_eps",
+                  "eval_batch_size", "eval_max_new_tokens") + (("mc_prompts",) if args.mc_every else ()),
+        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "vf_coef", "vf_clip",
+                      "kl_coef", "mc_every", "mc_states", "eval_every", "eval_size", "test_size", "save_every"),
+        probability=("top_p",),
+        unit=("gamma", "lam"),
+        seeds=("seed",),
+    )  # fmt: skip
+
+
 # What `python ppo.py --critic small` runs on a machine without a GPU, so that it ends in minutes on 2 cores.
 CPU_SCALE = dict(
     batch_size=8,
@@ -183,6 +202,7 @@ def main() -> None:
     # setup
     # ==================================================================================================
     args = tyro.cli(Args)
+    validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
     scaled = runtime.apply_cpu_scale(args, device, CPU_SCALE)
@@ -217,9 +237,17 @@ def main() -> None:
         runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
         if args.mc_prompts > args.batch_size:
             raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
+    runtime.check_generation_memory(
+        args.model,
+        device,
+        {
+            "--batch-size x --rollouts-per-prompt": (local_rollouts, args.max_new_tokens),
+            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+        },
+    )
     args.critic_lr = args.critic_lr or (1e-5 if args.critic == "full" else 1e-4)
     run_dir = Path(args.run_dir or f"runs/ppo-{args.critic}-s{args.seed}")
-    runtime.prepare_run_dir(run_dir, args.resume, dist_.main)
+    runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     tokenizer = runtime.load_tokenizer(args.model)
@@ -250,6 +278,7 @@ def main() -> None:
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": args.critic_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
+    guard = runtime.FiniteGuard(policy, critic)  # a non-finite loss or gradient skips the step; a second stops
     opt_steps = args.total_steps * args.update_epochs * args.num_minibatches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: common.lr_factor(s, args.warmup_steps, opt_steps, args.lr_schedule)
@@ -481,6 +510,7 @@ def main() -> None:
                         w = common.loss_weights(m, "token", n_tok, n_seq, args.max_new_tokens)
                         loss = (loss_tok * w).sum() * world
                     loss.backward()
+                    guard.track(loss)
                     with torch.no_grad():
                         stats = {
                             "pg_loss": (pg_loss * m).sum(),
@@ -499,9 +529,11 @@ def main() -> None:
                     for p in policy.parameters():
                         p.grad = None
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                if critic is not None:
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-                optimizer.step()
+                critic_norm = (
+                    None if critic is None else torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+                )
+                if guard.ok(step + 1, grad_norm, critic_norm):  # else skipped: zero_grad drops its gradients
+                    optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
@@ -545,6 +577,7 @@ def main() -> None:
                 "value_explained_variance": ev,
                 "critic_warmup": float(warm),
                 "grad_norm": sums["grad_norm"] / (args.update_epochs * args.num_minibatches),
+                "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
                 "generated_tokens": counters["generated_tokens"],
                 "time/rollout": t_rollout,
