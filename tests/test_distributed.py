@@ -402,5 +402,6 @@ def test_fsdp_resume_of_a_checkpoint_saved_without_it_stops_every_rank(tmp_path,
 
     run_dir = tmp_path / "run"
     shutil.copytree(ppo_single, run_dir)
-    procs = as_ranks("ppo.py", flags(run_dir, data_dir, **{**RUNS["ppo"][1], "total_steps": 3}, fsdp=True, resume=True))
+    (run_dir / "results.json").unlink()  # a finished run is not resumed at all (exit 0): make it an interrupted one
+    procs = as_ranks("ppo.py", flags(run_dir, data_dir, **RUNS["ppo"][1], fsdp=True, resume=True))
     check_all_ranks_refuse(procs, "saved without it")
