@@ -99,7 +99,9 @@ def test_a_bad_value_is_one_error_line_before_anything_is_written(tmp_path, scri
     run_dir = tmp_path / "run"
     extra = {"mc-every": 1} if flag == "mc-prompts" else {}
     base = {**BASE[script], **extra, flag: value}
-    expect_refused(run_here(script, args_for(script, run_dir, **base)), run_dir, f"--{flag}")
+    proc = run_here(script, args_for(script, run_dir, **base))
+    line = expect_refused(proc, run_dir, f"--{flag}")
+    assert line.startswith("error:") and f"--{flag}" in line, line
 
 
 @pytest.mark.parametrize("script", list(BASE))
@@ -125,4 +127,5 @@ def test_an_unknown_task_is_refused_before_the_model_loads(tmp_path, script):
 def test_a_bad_value_in_a_fresh_process_is_one_error_line(tmp_path, script, flag, value):
     run_dir = tmp_path / "run"
     proc = run_trainer(script, args_for(script, run_dir, **{**BASE[script], flag: value}), timeout=120)
-    expect_refused(proc, run_dir, f"--{flag}")
+    line = expect_refused(proc, run_dir, f"--{flag}")
+    assert proc.stderr.strip() == line and "Traceback" not in proc.stderr, proc.stderr  # the user sees one line
