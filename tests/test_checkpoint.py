@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
+    SMALL_RUN,
     check_ok,
     check_one_error_line,
     cli,
+    copy_run,
     read_metrics,
     run_here,
     run_trainer,
@@ -27,24 +28,6 @@ from helpers import (
 import engine
 import runtime
 from critics import build_critic
-
-# One step on the toy task with a large learning rate: the policy, critic and optimizer state all move.
-SMALL_RUN = dict(task="toy", critic="small", lr=1e-3, kl_coef=0.04, total_steps=1)
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    """A finished one-step run with a checkpoint; tests copy it before changing anything."""
-    run_dir = tmp_path_factory.mktemp("ckpt") / "run"
-    check_ok(run_here("ppo.py", cli(run_dir, **SMALL_RUN)))
-    return run_dir
-
-
-def copy_run(src: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    return dst
-
 
 # ------------------------------------------------------------------------------------------------------
 # save_checkpoint in process

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    SMALL_RUN,
     TINY,
     check_ok,
     check_one_error_line,
     cli,
+    copy_run,
     read_metrics,
     run_here,
     run_trainer,
@@ -183,22 +185,10 @@ def test_the_lock_is_released_when_the_run_ends(tmp_path):
 # leftovers of a killed save, a finished run, a resume from the set-aside checkpoint
 # ------------------------------------------------------------------------------------------------------
 
-SMALL_RUN = dict(task="toy", critic="small", lr=1e-3, kl_coef=0.04, total_steps=1)
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("guards") / "run"
-    check_ok(run_here("ppo.py", cli(run_dir, **SMALL_RUN)))
-    return run_dir
-
 
 def killed_copy(src: Path, tmp_path: Path) -> Path:
     """The finished run as a run killed after its last save: no results.json."""
-    import shutil
-
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
+    dst = copy_run(src, tmp_path)
     (dst / "results.json").unlink()
     return dst
 
