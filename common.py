@@ -48,22 +48,31 @@ class Problem:
 
 
 def _read_jsonl(path: Path) -> list[Problem]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return _parse_jsonl(path, f)
+    except UnicodeDecodeError as e:
+        raise runtime.UserError(f"{path} is not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise runtime.UserError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _parse_jsonl(path: Path, f: Any) -> list[Problem]:
     problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                question, solution = row["question"], row["answer"]
-                if not isinstance(question, str) or not isinstance(solution, str):
-                    raise TypeError("question and answer must be strings")
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise runtime.UserError(f"{path}:{lineno}: malformed GSM8K line ({type(e).__name__}: {e})") from None
-            gold = extract_final_answer(solution)
-            if gold is None:
-                raise runtime.UserError(f"{path}:{lineno}: the answer has no final '#### N' number")
-            problems.append(Problem(question, solution, gold))
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            question, solution = row["question"], row["answer"]
+            if not isinstance(question, str) or not isinstance(solution, str):
+                raise TypeError("question and answer must be strings")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise runtime.UserError(f"{path}:{lineno}: malformed GSM8K line ({type(e).__name__}: {e})") from None
+        gold = extract_final_answer(solution)
+        if gold is None:
+            raise runtime.UserError(f"{path}:{lineno}: the answer has no final '#### N' number")
+        problems.append(Problem(question, solution, gold))
     return problems
 
 
@@ -356,6 +365,9 @@ def toy_reward(completion_ids: Sequence[int]) -> float:
     return 1.0 if any(int(t) % TOY_TARGET_MODULUS == 0 for t in completion_ids) else 0.0
 
 
+TASKS = ("gsm8k", "toy")  # what score() knows
+
+
 def score(task: str, texts: Sequence[str], token_ids: Sequence[Sequence[int]], golds: Sequence[str]) -> list[float]:
     """The one reward every trainer calls: gsm8k_reward on the text, or the toy task on the token ids."""
     if task == "gsm8k":
@@ -442,7 +454,7 @@ def loss_weights(
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimates of KL(pi || ref) from samples of pi (http://joschu.net/blog/kl-approx.html).
 
-    k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = ref / pi.  [B, T] x2 -> [B, T]
+    k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = ref / pi (via expm1).  [B, T] x2 -> [B, T]
     """
     log_ratio = logp - ref_logp
     if kind == "k1":
@@ -450,7 +462,7 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     if kind == "k2":
         return 0.5 * log_ratio**2
     if kind == "k3":
-        return torch.exp(-log_ratio) - 1.0 + log_ratio
+        return torch.expm1(-log_ratio) + log_ratio  # expm1: no cancellation to 0 when the ratio is ~1
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 

@@ -47,6 +47,8 @@ class Args:
     """seed of the model init, the data order and the sampling"""
     resume: bool = False
     """continue the run in run_dir from its checkpoint"""
+    resume_from_backup: bool = False
+    """with --resume, accept the previous checkpoint a killed save set aside (.checkpoint.old-*) when checkpoint/ is gone"""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda"""
     fsdp: bool = False
@@ -141,6 +143,20 @@ class Args:
 SIZES = ("batch_per_rank", "optimizer_steps")
 
 
+def validate(args: Args) -> None:
+    """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
+    runtime.check_ranges(
+        args,
+        positive=("batch_size", "samples_per_prompt", "max_new_tokens", "temperature", "lr", "max_grad_norm",
+                  "micro_batch_size", "offline_prompts", "beta", "update_epochs", "eval_batch_size",
+                  "eval_max_new_tokens"),
+        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "eval_every",
+                      "eval_size", "test_size", "save_every"),
+        probability=("top_p",),
+        seeds=("seed",),
+    )  # fmt: skip
+
+
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
 CPU_SCALE = dict(
     batch_size=4, samples_per_prompt=4, max_new_tokens=96, total_steps=6, micro_batch_size=4, offline_prompts=16,
@@ -154,6 +170,7 @@ def main() -> None:
     # ppo.py, grpo.py and dpo.py share line for line; ALGO LOGIC marks the method
     # ==================================================================================================
     args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
+    validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
     if args.pairs == "gold" and args.task != "gsm8k":
@@ -166,8 +183,20 @@ def main() -> None:
     args.batch_per_rank = args.batch_size // world
     args.optimizer_steps = args.total_steps * args.update_epochs
     micro = args.micro_batch_size
+    sampled = args.batch_size // world if args.online else args.eval_batch_size  # prompts per sampling batch
+    runtime.check_generation_memory(
+        args.model,
+        device,
+        {
+            "--batch-size (online) or --eval-batch-size (offline) x --samples-per-prompt": (
+                sampled * args.samples_per_prompt,
+                args.max_new_tokens,
+            ),
+            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+        },
+    )
     run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
-    runtime.prepare_run_dir(run_dir, args.resume, dist_.main)
+    runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     if not args.resume and (run_dir / "pairs.jsonl").exists():  # only a resume reuses them, under its own checks
         raise runtime.UserError(
             f"{run_dir} holds pairs.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
@@ -198,6 +227,7 @@ def main() -> None:
     policy_full = runtime.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
+    guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
     lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     online = "online" if args.online else "offline"
@@ -418,6 +448,7 @@ def main() -> None:
                     # mean over the step's real pairs on all ranks; DDP averages, so scale by world
                     loss = (loss_pair * weights[sl]).sum() / n_real * world
                 loss.backward()
+                guard.track(loss)
                 with torch.no_grad():
                     w = weights[sl]
                     stats = {
@@ -431,7 +462,8 @@ def main() -> None:
                     for key, v in stats.items():
                         sums[key] = sums.get(key, 0.0) + v.sum().double()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            optimizer.step()
+            if guard.ok(step + 1, grad_norm):  # else skipped: zero_grad drops its gradients
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.double()
@@ -447,6 +479,7 @@ def main() -> None:
             {
                 "pairs": n_real,
                 "grad_norm": total.get("grad_norm", 0.0) / (world * max(1, args.update_epochs)),
+                "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
                 "time/rollout": t_rollout,
                 "time/update": t_update,

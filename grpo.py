@@ -46,6 +46,8 @@ class Args:
     """seed of the model init, the data order and the sampling"""
     resume: bool = False
     """continue the run in run_dir from its checkpoint"""
+    resume_from_backup: bool = False
+    """with --resume, accept the previous checkpoint a killed save set aside (.checkpoint.old-*) when checkpoint/ is gone"""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda"""
     fsdp: bool = False
@@ -161,6 +163,21 @@ class Args:
 # The sizes above: they follow from the settings and the world size, so a resume (on any world) does not check them.
 SIZES = ("completions_per_step", "completions_per_rank", "minibatch_size", "micro_batch", "optimizer_steps")
 
+
+def validate(args: Args) -> None:
+    """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
+    runtime.check_ranges(
+        args,
+        positive=("batch_size", "max_new_tokens", "temperature", "lr", "max_grad_norm", "micro_batch_size",
+                  "update_epochs", "num_minibatches", "clip_eps", "clip_eps_high", "eval_batch_size",
+                  "eval_max_new_tokens") + (("mc_prompts",) if args.mc_every else ()),
+        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "kl_coef", "mc_every",
+                      "eval_every", "eval_size", "test_size", "save_every"),
+        probability=("top_p",),
+        seeds=("seed",),
+    )  # fmt: skip
+
+
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
 CPU_SCALE = dict(
     batch_size=2, max_new_tokens=96, total_steps=6, micro_batch_size=8, num_minibatches=2, lr=2e-6, mc_every=3,
@@ -174,6 +191,7 @@ def main() -> None:
     # ppo.py, grpo.py and dpo.py share line for line; ALGO LOGIC marks the method
     # ==================================================================================================
     args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
+    validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
     if args.group_size < 2:
@@ -202,9 +220,17 @@ def main() -> None:
         runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
         if args.mc_prompts > args.batch_size:
             raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
+    runtime.check_generation_memory(
+        args.model,
+        device,
+        {
+            "--batch-size x --group-size": (args.completions_per_rank, args.max_new_tokens),
+            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+        },
+    )
     G, micro = args.group_size, args.micro_batch
     run_dir = Path(args.run_dir or f"runs/grpo-s{args.seed}")
-    runtime.prepare_run_dir(run_dir, args.resume, dist_.main)
+    runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     tokenizer = runtime.load_tokenizer(args.model)
@@ -231,6 +257,7 @@ def main() -> None:
     policy_full = runtime.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
+    guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
     lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     banner = {
@@ -386,18 +413,20 @@ def main() -> None:
                         w = common.loss_weights(m, args.loss_norm, n_tok, n_seq, args.max_new_tokens)
                         loss = (loss_tok * w).sum() * world
                     loss.backward()
+                    guard.track(loss)
                     with torch.no_grad():
                         stats = {
                             "pg_loss": pg_loss * m,
                             "clipfrac": clipped * m,
                             "entropy": entropy * m,
-                            "approx_kl": common.kl_estimate(old_logp[rows].double(), logp, "k3") * m,  # float64
+                            "approx_kl": common.kl_estimate(old_logp[rows], logp, "k3") * m,  # KL(old || new)
                             "tokens": m,
                         }
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + v.sum().double()
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                optimizer.step()
+                if guard.ok(step + 1, grad_norm):  # else skipped: zero_grad drops its gradients
+                    optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.double()
@@ -427,6 +456,7 @@ def main() -> None:
                 **{k: total[k] / n_tok for k in ("pg_loss", "clipfrac", "entropy", "approx_kl")},
                 "groups_all_equal": total["groups_equal"] / total["groups"],
                 "grad_norm": total["grad_norm"] / (world * args.update_epochs * args.num_minibatches),
+                "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
                 "generated_tokens": counters["generated_tokens"],
                 "time/rollout": t_rollout,

@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import hashlib
 import importlib.util
 import io
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -46,20 +48,55 @@ class UserError(Exception):
     """Bad input: reported as one line on stderr and a non-zero exit, never a traceback."""
 
 
+class NonFiniteError(Exception):
+    """A NaN or inf that would be trained on or saved: one line naming the step and the quantity, exit code 3."""
+
+
+class RunFinished(Exception):
+    """--resume of a run whose results.json exists: one line, exit code 0, nothing touched."""
+
+
+EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+
+
 def run_main(main: Callable[[], Any]) -> None:
-    """Run a trainer's main(): a UserError, a bad flag included (see cli), becomes one line and exit code 2 on
-    every rank."""
+    """Run a trainer's main(): a UserError (a bad flag included: see cli) becomes one line and exit code 2 on every rank; a NonFiniteError
+    one line and exit 3; a file-system error (a full disk, a folder that cannot be written) one line naming
+    the path and exit 1; Ctrl-C before the stop signal is installed (start-up) one line and exit 130. The
+    run folder's lock is released on every exit, and a run folder this run created and left empty goes."""
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    code = 0
     try:
         main()
+    except RunFinished as e:
+        if main_rank:
+            print(str(e), flush=True)
     except UserError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if main_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        code = EXIT_USAGE
+    except NonFiniteError as e:
+        if main_rank:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = EXIT_NONFINITE
+    except KeyboardInterrupt:
+        if main_rank:
+            print("error: interrupted (SIGINT) during start-up; nothing was saved", file=sys.stderr, flush=True)
+        code = EXIT_INTERRUPTED
+    except OSError as e:
+        if not e.filename:  # not a file-system error: the traceback is what helps
+            raise
+        if main_rank:
+            print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr, flush=True)
+        code = 1
     finally:
+        release_run_lock()
         # a process group left to the interpreter's teardown can abort in gloo's threads
         # ("terminate called without an active exception"): close it while everything is alive
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+    if code:
+        sys.exit(code)
 
 
 T = TypeVar("T")
@@ -218,6 +255,99 @@ def check_divides(what: str, n: int, by: int, by_what: str) -> None:
         raise UserError(f"{what} ({n}) must be a positive multiple of {by_what} ({by})")
 
 
+# ------------------------------------------------------------------------------------------------------
+# Argument ranges: each trainer's validate(args) calls check_ranges right after parsing, before anything loads
+# ------------------------------------------------------------------------------------------------------
+
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes a 64-bit seed
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_range(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False,
+                high_open: bool = False, what: str = "") -> None:  # fmt: skip
+    """One flag in [low, high] (open ends where asked), finite; else a UserError naming it and the range."""
+    ok = _is_number(value) and (isinstance(value, int) or math.isfinite(value))  # an int of any size is finite
+    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
+        raise UserError(f"{_flag(name)} {value} must be {what or 'a finite number'} in {lo}{low}, {high}{hi}")
+
+
+def check_ranges(
+    args: Any,
+    *,
+    positive: Sequence[str] = (),
+    non_negative: Sequence[str] = (),
+    probability: Sequence[str] = (),
+    unit: Sequence[str] = (),
+    seeds: Sequence[str] = (),
+) -> None:
+    """The numeric fields of args by kind (a field set to None is skipped):
+    positive: sizes, counts, learning rates, temperatures (> 0, finite); non_negative: counts where 0 means
+    'off' or 'all', coefficients (>= 0, finite); probability: (0, 1]; unit: [0, 1]; seeds: 0 .. 2^63 - 1."""
+    kinds = [
+        (positive, dict(low=0, low_open=True, what="positive")),
+        (non_negative, dict(low=0, what="zero or positive")),
+        (probability, dict(low=0, high=1, low_open=True, what="a probability")),
+        (unit, dict(low=0, high=1, what="a number")),
+        (seeds, dict(low=0, high=SEED_MAX, what="an integer")),
+    ]
+    for names, kw in kinds:
+        for name in names:
+            value = getattr(args, name)
+            if value is not None:
+                check_range(name, value, **kw)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory a batch must fit in: the GPU's total, or the machine's RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+PROMPT_TOKENS = 256  # a generous GSM8K chat prompt, for the memory estimate only
+
+
+def check_generation_memory(model: str, device: torch.device, batches: dict[str, tuple[int, int]]) -> None:
+    """A rough check before the model loads: each generation batch, {flags: (sequences, new tokens)}, needs its
+    KV cache (2 x layers x KV heads x head dim per token) and one step of logits (the vocabulary per sequence);
+    a batch that would not fit the device's memory is refused with the estimate. Unknown models pass."""
+    try:
+        config = _model_config(model)
+    except Exception:
+        return  # loading the model reports it
+    layers = config.num_hidden_layers
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    elem = 2 if device.type == "cuda" else 4  # bf16 on a GPU, fp32 on the CPU
+    total = device_memory_bytes(device)
+    for flags, (rows, new_tokens) in batches.items():
+        kv = 2 * layers * kv_heads * head_dim * elem * rows * (PROMPT_TOKENS + new_tokens)
+        need = kv + rows * config.vocab_size * 4
+        if need > total:
+            raise UserError(
+                f"{flags}: a generation batch of {rows:,} sequences of up to {PROMPT_TOKENS} + {new_tokens} tokens "
+                f"needs about {need / 2**30:,.1f} GiB (KV cache and logits), more than the {device.type} memory "
+                f"({total / 2**30:,.1f} GiB); lower it"
+            )
+
+
+def _model_config(model: str) -> Any:
+    if model == TINY_MODEL:
+        return tiny_config()
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model(model))
+
+
 def seed_everything(seed: int) -> None:
     """Seed every global RNG. Sampling uses its own per-step uniforms (see step_uniforms)."""
     random.seed(seed)
@@ -248,6 +378,73 @@ class StopSignal:
 
     def should_stop(self) -> bool:
         return not all_ok(not self.flag)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (FSDP), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim bool tensor: every element of every tensor finite (no host sync)."""
+    flags = [torch.isfinite(_local(t)).all() for t in tensors if t is not None and _local(t).numel()]
+    return torch.stack(flags).all() if flags else torch.tensor(True)
+
+
+class FiniteGuard:
+    """Nothing non-finite is trained on: around each optimiser step,
+
+        loss.backward(); guard.track(loss)            # every micro-batch
+        if guard.ok(step, grad_norm):                 # after clipping; False: skip this step
+            optimizer.step()
+
+    A non-finite loss or gradient norm skips the step (the caller's zero_grad drops its gradients) and counts
+    it (take_skips(), logged as nonfinite_skips); a second one within `window` optimiser steps, or non-finite
+    weights, raises NonFiniteError naming the step and the quantity (exit code 3, no save on the way out).
+    Every rank calls ok() at the same point: the verdict is all-reduced, so that the ranks skip together."""
+
+    def __init__(self, *modules: nn.Module | None, window: int = 10) -> None:
+        self.params = [p for m in modules if m is not None for p in m.parameters()]
+        self.window, self.calls, self.last_skip, self.skips = window, 0, None, 0
+        self._loss_ok: torch.Tensor | None = None
+
+    def track(self, loss: torch.Tensor) -> None:
+        ok = torch.isfinite(loss.detach()).all()
+        self._loss_ok = ok if self._loss_ok is None else self._loss_ok & ok
+
+    def ok(self, step: int, *grad_norms: torch.Tensor | None) -> bool:
+        self.calls += 1
+        loss_ok = self._loss_ok if self._loss_ok is not None else torch.tensor(True)
+        self._loss_ok = None
+        # under FSDP clip_grad_norm_ returns a DTensor: its full value, the same on every rank
+        whole = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grad_norms if g is not None]
+        norms = [torch.as_tensor(g).detach().reshape(1) for g in whole]
+        grad_ok = all_finite(norms)
+        weights_ok = all_finite([p.detach() for p in self.params])
+        device = weights_ok.device
+        bad = torch.stack([~loss_ok.to(device), ~grad_ok.to(device), ~weights_ok]).float()
+        bad = all_reduce_sum(bad).tolist()  # [3], one host sync, the same on every rank
+        if bad[2]:
+            raise NonFiniteError(
+                f"step {step}: non-finite weights after the previous optimiser step; stopped, the last good "
+                "checkpoint was left as it was"
+            )
+        if not (bad[0] or bad[1]):
+            return True
+        what = " and ".join(q for q, b in (("loss", bad[0]), ("gradient norm", bad[1])) if b)
+        if self.last_skip is not None and self.calls - self.last_skip <= self.window:
+            raise NonFiniteError(
+                f"step {step}: non-finite {what}, the second within {self.window} optimiser steps; stopped, "
+                "the last good checkpoint was left as it was"
+            )
+        self.last_skip, self.skips = self.calls, self.skips + 1
+        _notice_once(f"step {step}: non-finite {what}; that optimiser step was skipped (nonfinite_skips)")
+        return False
+
+    def take_skips(self) -> int:
+        """Steps skipped since the last call: the step's nonfinite_skips."""
+        n, self.skips = self.skips, 0
+        return n
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -467,12 +664,19 @@ def load_tokenizer(name: str) -> Any:
     return tok
 
 
-def tiny_config(tokenizer: Any) -> Any:
-    """A tiny random model of SmolLM2's family (Llama) with its tokenizer: for tests and smoke runs."""
+SMOLLM2_VOCAB = 49152  # the tiny model's vocabulary when no tokenizer is at hand (the memory estimate)
+
+
+def tiny_config(tokenizer: Any = None) -> Any:
+    """A tiny random model of SmolLM2's family (Llama) with its tokenizer: for tests and smoke runs.
+    Without a tokenizer, its shape only (SmolLM2's vocabulary size, no special token ids)."""
     from transformers import LlamaConfig
 
+    def token_id(name: str) -> int | None:
+        return getattr(tokenizer, name) if tokenizer is not None else None
+
     return LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=len(tokenizer) if tokenizer is not None else SMOLLM2_VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -483,9 +687,9 @@ def tiny_config(tokenizer: Any) -> Any:
         rope_theta=100000.0,
         tie_word_embeddings=True,
         initializer_range=0.4,  # peaked next-token distributions, like a trained LM's, not uniform over 49k
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=token_id("bos_token_id"),
+        eos_token_id=token_id("eos_token_id"),
+        pad_token_id=token_id("pad_token_id"),
     )
 
 
@@ -577,20 +781,25 @@ class MetricsLogger:
     """Appends one JSON line per step to run_dir/metrics.jsonl (and TensorBoard scalars when installed)."""
 
     def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None) -> None:
-        """resume_step: the checkpoint's step. Rows a killed run logged after it are dropped, as the resumed
-        run logs those steps again (a half-written last line goes too)."""
+        """resume_step: the checkpoint's step. Rows a killed run logged after it (and a half-written last line)
+        are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         if enabled and resume_step is not None and self.path.is_file():
-            kept = []
+            kept, later = [], []
             for line in self.path.read_text().splitlines():
+                step = None
                 with contextlib.suppress(ValueError, KeyError, TypeError):
-                    if json.loads(line)["step"] <= resume_step:
-                        kept.append(line + "\n")
-            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, self.path)
+                    step = json.loads(line)["step"]
+                (kept if isinstance(step, int) and step <= resume_step else later).append(line + "\n")
+            if later:  # set aside, never dropped: metrics.jsonl.discarded-TIME
+                aside = self.path.with_name(f"{self.path.name}.discarded-{time.strftime('%Y%m%d-%H%M%S')}")
+                aside.write_text("".join(later))
+                tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+                tmp.write_text("".join(kept))
+                os.replace(tmp, self.path)
+                _notice_once(f"{len(later)} metrics row(s) after the checkpoint's step {resume_step} moved to {aside}")
         if enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -619,9 +828,7 @@ class MetricsLogger:
 def _jsonable(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return v.item() if v.numel() == 1 else v.tolist()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
+    return v  # NaN and inf as NaN and Infinity (Python's json reads them back); None stays null
 
 
 def write_results(
@@ -723,6 +930,7 @@ def save_checkpoint(
     ranks agree on success before the rename: a failure on any rank keeps the last good checkpoint and raises
     on every rank.
     """
+    _check_finite_before_saving(policy, critic, optimizer, state)
     main = _rank() == 0
     final = run_dir / CHECKPOINT
     tmp = run_dir / f".{CHECKPOINT}.tmp-{_rank0_pid()}"  # one folder for every rank's shards
@@ -760,10 +968,31 @@ def save_checkpoint(
         if final.exists():
             os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(run_dir)  # the renames themselves reach the disk
+        for aside in run_dir.glob(f".{CHECKPOINT}.old-*"):  # this one, and one a --resume-from-backup came from
+            shutil.rmtree(aside, ignore_errors=True)
     if world_size() > 1:
         dist.barrier()  # no rank goes on (or saves again) before the new checkpoint is in place
     return final
+
+
+def _check_finite_before_saving(policy: nn.Module, critic: nn.Module | None, optimizer: Any, state: dict) -> None:
+    """Nothing non-finite is ever saved: weights and optimiser state checked on every rank, before any write."""
+    tensors = [p.detach() for m in (policy, critic) if m is not None for p in m.parameters()]
+    moments = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    verdict = all_reduce_sum(torch.stack([~all_finite(tensors).cpu(), ~all_finite(moments).cpu()]).float()).tolist()
+    if any(verdict):
+        what = "weights" if verdict[0] else "optimizer state"
+        step = state.get("counters", {}).get("step", "?")
+        raise NonFiniteError(f"step {step}: non-finite {what}; not saved, the last good checkpoint was left as it was")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _rank() -> int:
@@ -815,8 +1044,103 @@ def _load_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimi
     modules = _training_modules(policy, critic)
     model_state, optim_state = get_state_dict(modules, optimizer)
     both = {"model": model_state, "optim": optim_state}
-    dcp.load(both, checkpoint_id=path, no_dist=not (dist.is_available() and dist.is_initialized()))
+    try:  # read (restricted) before DCP does: its own fallbacks would log tracebacks on the way to a refusal
+        with open(path / ".metadata", "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:  # a crafted or damaged pickle can raise anything
+        raise UserError(f"checkpoint {path.parent} is refused (dcp/.metadata: {e}); it was left in place") from None
+    try:
+        dcp.load(
+            both,
+            storage_reader=_SafeDCPReader(path, metadata),
+            planner=_SafeDCPPlanner(),
+            no_dist=not (dist.is_available() and dist.is_initialized()),
+        )
+    except Exception as e:  # DCP wraps a rank's error in a CheckpointException: its .failures hold the causes
+        causes = [str(f[0] if isinstance(f, tuple) else f) for f in getattr(e, "failures", {}).values()] + [str(e)]
+        why = next((c for c in causes if _DCP_REFUSED in c), None)
+        if why is None:
+            raise
+        raise UserError(f"checkpoint {path.parent} is refused ({why}); it was left in place") from None
     set_state_dict(modules, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+
+
+# torch.distributed.checkpoint pickles its .metadata (plain pickle.load in torch 2.13) and loads its byte
+# entries with torch.load(weights_only=False): either runs any code a crafted file names. These read the same
+# files with an unpickler that builds only DCP's own metadata classes, and torch.load(weights_only=True).
+_DCP_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+_DCP_REFUSED = "which a checkpoint never holds"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        obj = None
+        if module == "torch.distributed.checkpoint.metadata":  # its dataclasses and enums, nothing it imports
+            import torch.distributed.checkpoint.metadata as meta
+
+            cand = getattr(meta, name, None)
+            obj = cand if isinstance(cand, type) and cand.__module__ == module else None
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            obj = getattr(torch, name)
+        elif (module, name) in _DCP_GLOBALS:
+            obj = super().find_class(module, name)
+        if obj is None:
+            raise pickle.UnpicklingError(f"dcp/.metadata names {module}.{name}, {_DCP_REFUSED}")
+        return obj
+
+
+def _dcp_reader_class() -> type:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def __init__(self, path: Path, metadata: Any) -> None:
+            super().__init__(path)
+            self.checked_metadata = metadata  # read by _MetadataUnpickler
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = self.checked_metadata
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader
+
+
+def _dcp_planner_class() -> type:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                raise pickle.UnpicklingError(f"a dcp/ byte entry names code, {_DCP_REFUSED}") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Planner
+
+
+def _SafeDCPReader(path: Path, metadata: Any) -> Any:  # noqa: N802 (a class, built lazily: DCP imports are slow)
+    return _dcp_reader_class()(path, metadata)
+
+
+def _SafeDCPPlanner() -> Any:  # noqa: N802
+    return _dcp_planner_class()()
 
 
 def _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args, whole=None) -> None:
@@ -845,30 +1169,84 @@ def _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler
 
 
 def find_checkpoint(run_dir: Path) -> Path | None:
-    """run_dir/checkpoint, or, when a save died between its two renames, the previous one it had set aside."""
+    """run_dir/checkpoint, or, when a save died between its two renames, the previous one it had set aside
+    (.checkpoint.old-PID; prepare_run_dir resumes from it only with --resume-from-backup)."""
     path = run_dir / CHECKPOINT
     if path.is_dir():
         return path
-    aside = sorted(run_dir.glob(f".{CHECKPOINT}.old-*"), key=lambda p: p.stat().st_mtime)
+    aside = _set_aside(run_dir)
     return aside[-1] if aside else None
 
 
+def _set_aside(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob(f".{CHECKPOINT}.old-*"), key=lambda p: p.stat().st_mtime)
+
+
+_SHA256_HEX = frozenset("0123456789abcdef")
+
+
 def verify_checkpoint(path: Path) -> None:
-    """Check every file against the manifest; a damaged checkpoint is a UserError and is left in place."""
-    manifest_path = path / "manifest.json"
+    """The checkpoint is exactly what its manifest lists: manifest.json an object of relative path -> SHA-256,
+    every file in the folder listed (an unlisted file is refused, whatever it is), none missing, none altered,
+    no symbolic links. Anything else is a UserError, and the checkpoint is left in place.
+
+    This checks integrity, not origin: the manifest is not signed, so anyone can re-hash a folder they edited.
+    What makes a checkpoint from someone else safe to load is that nothing in it is executed: safetensors for
+    weights, torch.load(weights_only=True) for the rest, and DCP's metadata through a restricted unpickler."""
+
+    def damaged(why: str) -> UserError:
+        return UserError(f"checkpoint {path} is damaged ({why}); it was left in place")
+
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
-        raise UserError(f"checkpoint {path} is damaged (no readable manifest.json); it was left in place") from None
+        raise damaged("no readable manifest.json") from None
+    if not isinstance(manifest, dict) or not manifest:
+        raise damaged("manifest.json is not an object of file -> SHA-256")
+    for rel, digest in manifest.items():
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts or not parts or rel == "manifest.json":
+            raise damaged(f"manifest.json lists {rel!r}, not a file inside the checkpoint")
+        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _SHA256_HEX):
+            raise damaged(f"manifest.json's entry for {rel} is not a SHA-256")
+    present = set()
+    for p in path.rglob("*"):
+        if p.is_symlink():
+            raise damaged(f"{p.relative_to(path)} is a symbolic link")
+        if p.is_file() and p != path / "manifest.json":
+            present.add(p.relative_to(path).as_posix())
+    unlisted = sorted(present - {Path(rel).as_posix() for rel in manifest})
+    if unlisted:
+        raise damaged(f"{unlisted[0]} is not in the manifest")
     for rel, digest in manifest.items():
         p = path / rel
         if not p.is_file() or _sha256(p) != digest:
-            raise UserError(f"checkpoint {path} is damaged ({rel} is missing or altered); it was left in place")
+            raise damaged(f"{rel} is missing or altered")
 
 
-# Arguments that may change between a run and its resume; every other one must match.
-RESUMABLE_ARGS = {"resume", "run_dir", "total_steps", "eval_every", "save_every", "log_every", "test_size", "progress"}
-RESUMABLE_ARGS |= {"fsdp"}  # a checkpoint saved with --fsdp resumes with or without it (load_checkpoint)
+def _read_json_object(path: Path, ckpt: Path) -> dict[str, Any]:
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        out = None
+    if not isinstance(out, dict):
+        raise UserError(f"checkpoint {ckpt} is damaged ({path.name} is not a JSON object); it was left in place")
+    return out
+
+
+# Arguments that may change between a run and its resume; every other one must match: --total-steps and
+# every argument the LR schedule depends on among them. A checkpoint saved with --fsdp resumes with or without it.
+RESUMABLE_ARGS = {
+    "resume",
+    "resume_from_backup",
+    "run_dir",
+    "eval_every",
+    "save_every",
+    "log_every",
+    "test_size",
+    "progress",
+    "fsdp",
+}
 
 
 def load_checkpoint(
@@ -893,7 +1271,7 @@ def load_checkpoint(
     if path is None:
         raise UserError(f"--resume: no checkpoint in {run_dir}")
     on_rank0(lambda: verify_checkpoint(path))  # hashed once, the verdict shared
-    saved = json.loads((path / "args.json").read_text())
+    saved = _read_json_object(path / "args.json", path)
     now = json.loads(json.dumps(args, default=str))
     diff = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_ARGS and saved.get(k) != now.get(k))
     if diff:
@@ -901,8 +1279,13 @@ def load_checkpoint(
         raise UserError(
             f"cannot resume {run_dir}: essential arguments differ ({shown}); the checkpoint was left in place"
         )
-    state = json.loads((path / "state.json").read_text())
-    if (path / "dcp").is_dir():  # saved with --fsdp: reshards onto any number of ranks, with or without FSDP
+    state = _read_json_object(path / "state.json", path)
+    if (path / "dcp").exists() != (saved.get("fsdp") is True):  # the sharded branch only for an --fsdp save
+        raise UserError(
+            f"checkpoint {path} is damaged (its args.json says fsdp={saved.get('fsdp')!r} but it "
+            f"{'holds' if (path / 'dcp').exists() else 'lacks'} dcp/); it was left in place"
+        )
+    if saved.get("fsdp") is True:  # saved with --fsdp: reshards onto any number of ranks, with or without FSDP
         _load_shards(path / "dcp", policy, critic, optimizer)
     elif is_sharded(policy):
         raise UserError(
@@ -922,16 +1305,139 @@ def load_checkpoint(
     return state
 
 
-def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool) -> None:
-    """A new run needs a folder without a checkpoint; --resume needs one. Nothing is ever overwritten."""
+def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: bool = False) -> None:
+    """A new run needs a folder without a checkpoint; --resume needs one. Nothing is ever overwritten.
+
+    In order: a run folder that is a file is refused; --resume of a finished run (results.json) says so and
+    ends (RunFinished, exit 0) before touching anything; the folder is locked for the life of the run (rank 0;
+    a folder in use is refused naming its holder); the leftovers of a killed save (.checkpoint.tmp-*, and
+    .checkpoint.old-* beside a checkpoint) are removed; a resume that finds only a set-aside .checkpoint.old-*
+    is refused unless --resume-from-backup."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {run_dir} is not a folder (a file of that name exists)")
+    if resume and (run_dir / "results.json").exists():
+        raise RunFinished(
+            f"{run_dir} is finished ({run_dir / 'results.json'} exists): nothing to resume, nothing touched"
+        )
+
+    def lock_and_clean() -> None:
+        acquire_run_lock(run_dir)
+        for tmp in run_dir.glob(f".{CHECKPOINT}.tmp-*"):  # a save killed before its rename
+            shutil.rmtree(tmp, ignore_errors=True)
+        if (run_dir / CHECKPOINT).is_dir():  # a save killed after its rename, before removing the old one
+            for aside in _set_aside(run_dir):
+                shutil.rmtree(aside, ignore_errors=True)
+
+    on_rank0(lock_and_clean)  # rank 0 locks and cleans; a refusal there stops every rank
     has_ckpt = find_checkpoint(run_dir) is not None
     if resume and not has_ckpt:
         raise UserError(f"--resume: no checkpoint in {run_dir}")
+    if resume and not (run_dir / CHECKPOINT).is_dir() and not from_backup:
+        aside = find_checkpoint(run_dir)
+        raise UserError(
+            f"--resume: {run_dir} has no {CHECKPOINT}/, only {aside.name}, the previous checkpoint a save set aside "
+            "before it was killed; pass --resume-from-backup to resume from it"
+        )
     if not resume and (has_ckpt or (run_dir / "results.json").exists()):
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise UserError(
             f"{run_dir} holds metrics.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
         )
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The run folder's lock: <run_dir>/.lock, one JSON line {"pid": N, "holder": "ppo.py"}, flock'ed
+# ------------------------------------------------------------------------------------------------------
+
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """An OS-level lock on a run folder (fcntl.flock on run_dir/.lock), held for the life of the run.
+
+    The file holds one JSON line, {"pid": N, "holder": "ppo.py"}, for the refusal message of whoever comes
+    second (sweep.sh writes the same line for its own lock). The kernel drops the lock when the process ends,
+    however it ends; release() also removes the file, and the folder when the run created it and left nothing
+    else in it. Acquiring checks that the file locked is still the one at the path (a releasing run may have
+    just removed it), so that two runs never hold locks on two different files."""
+
+    def __init__(self, run_dir: Path, holder: str | None = None) -> None:
+        self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK_FILE
+        self.holder = holder or Path(sys.argv[0]).name or "python"
+        self.fd: int | None = None
+        self.created = False
+
+    def acquire(self) -> RunLock:
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UserError(f"--run-dir {self.run_dir} is not a folder (a file of that name exists)")
+        self.created = not self.run_dir.exists()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise UserError(f"cannot write in the run folder {self.run_dir}: {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise UserError(f"{self.run_dir} is in use by {describe_lock_holder(self.path)}") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # locked a file its holder removed on release: take the new one
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps({"pid": os.getpid(), "holder": self.holder}) + "\n").encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # while still held: whoever opened it before checks the inode
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.run_dir.rmdir()  # only when empty: a run that wrote nothing leaves no folder
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def describe_lock_holder(path: Path) -> str:
+    """'ppo.py (pid 1234)', from the JSON line a lock file holds; 'another process' when unreadable."""
+    try:
+        info = json.loads(Path(path).read_text().splitlines()[0])
+        return f"{info['holder']} (pid {int(info['pid'])}), which holds {path}"
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return f"another process, which holds {path}"
+
+
+_RUN_LOCK: RunLock | None = None
+
+
+def acquire_run_lock(run_dir: Path) -> None:
+    """Lock run_dir for this process's run (released by run_main on every exit). One run per process: a lock
+    a previous run in this process left (a test calling main() directly) is released first."""
+    global _RUN_LOCK
+    release_run_lock()
+    _RUN_LOCK = RunLock(run_dir).acquire()
+
+
+def release_run_lock() -> None:
+    global _RUN_LOCK
+    if _RUN_LOCK is not None:
+        _RUN_LOCK.release()
+        _RUN_LOCK = None

@@ -24,3 +24,13 @@ def tiny_tokenizer():
     import runtime
 
     return runtime.load_tokenizer(runtime.TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished one-step PPO run with a checkpoint (helpers.SMALL_RUN); tests copy it before changing anything."""
+    from helpers import SMALL_RUN, check_ok, cli, run_here
+
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    check_ok(run_here("ppo.py", cli(run_dir, **SMALL_RUN)))
+    return run_dir

@@ -209,3 +209,16 @@ def tree_digest(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
+
+
+# One step on the toy task with a large learning rate: the policy, critic and optimizer state all move.
+SMALL_RUN = dict(task="toy", critic="small", lr=1e-3, kl_coef=0.04, total_steps=1)
+
+
+def copy_run(src: Path, tmp_path: Path) -> Path:
+    """A copy of a run folder under tmp_path, for a test to change."""
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
+    SMALL_RUN,
     check_ok,
     check_one_error_line,
     cli,
+    copy_run,
     read_metrics,
     run_here,
     run_trainer,
@@ -27,24 +28,6 @@ from helpers import (
 import engine
 import runtime
 from critics import build_critic
-
-# One step on the toy task with a large learning rate: the policy, critic and optimizer state all move.
-SMALL_RUN = dict(task="toy", critic="small", lr=1e-3, kl_coef=0.04, total_steps=1)
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    """A finished one-step run with a checkpoint; tests copy it before changing anything."""
-    run_dir = tmp_path_factory.mktemp("ckpt") / "run"
-    check_ok(run_here("ppo.py", cli(run_dir, **SMALL_RUN)))
-    return run_dir
-
-
-def copy_run(src: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    return dst
-
 
 # ------------------------------------------------------------------------------------------------------
 # save_checkpoint in process
@@ -117,6 +100,20 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     runtime.verify_checkpoint(path)
 
 
+def test_the_run_folder_is_fsynced_after_the_rename(tmp_path, monkeypatch):
+    state = tiny_training_state()
+    synced = []
+    real_fsync = os.fsync
+
+    def watched_fsync(fd):
+        synced.append(os.fstat(fd).st_ino)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", watched_fsync)
+    save(tmp_path, state, 1)
+    assert os.stat(tmp_path).st_ino in synced, "the folder holding the renamed checkpoint was not fsynced"
+
+
 def test_every_pt_file_loads_with_weights_only(finished_run):
     pt_files = sorted((finished_run / runtime.CHECKPOINT).rglob("*.pt"))
     assert {p.name for p in pt_files} >= {"optimizer.pt", "scheduler.pt", "rng.pt"}
@@ -135,44 +132,63 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def unlist(ckpt: Path, name: str) -> None:
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest[name]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def overwrite_unlisted_optimizer(ckpt: Path) -> None:
+    unlist(ckpt, "optimizer.pt")
+    torch.save({"state": {}, "param_groups": []}, ckpt / "optimizer.pt")
+
+
 DAMAGE = {
     "flipped policy weights": lambda ckpt: flip_byte(ckpt / "policy" / "model.safetensors"),
     "flipped critic weights": lambda ckpt: flip_byte(ckpt / "critic.safetensors"),
     "deleted optimizer.pt": lambda ckpt: (ckpt / "optimizer.pt").unlink(),
     "garbled manifest": lambda ckpt: (ckpt / "manifest.json").write_text("{not json"),
+    "manifest a list": lambda ckpt: (ckpt / "manifest.json").write_text("[]"),
+    "manifest empty": lambda ckpt: (ckpt / "manifest.json").write_text("{}"),
+    "manifest digest not a string": lambda ckpt: (ckpt / "manifest.json").write_text('{"state.json": 1}'),
+    "manifest path outside": lambda ckpt: (ckpt / "manifest.json").write_text('{"../results.json": "00"}'),
+    "unlisted overwritten optimizer.pt": overwrite_unlisted_optimizer,
+    "an unlisted extra file": lambda ckpt: (ckpt / "policy" / "extra.py").write_text("print('hi')\n"),
 }
+SUBPROCESS = ("flipped policy weights", "garbled manifest", "unlisted overwritten optimizer.pt")
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_checkpoint_is_refused_and_left_in_place(finished_run, tmp_path, damage):
     run_dir = copy_run(finished_run, tmp_path)
+    (run_dir / "results.json").unlink()  # a run killed after its last save (a finished one is not resumed)
     ckpt = run_dir / runtime.CHECKPOINT
     DAMAGE[damage](ckpt)
     before = tree_digest(run_dir)
-    line = check_one_error_line(run_trainer("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
+    run = run_trainer if damage in SUBPROCESS else run_here  # a fresh process for a few: stderr as a user sees it
+    line = check_one_error_line(run("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
     assert str(ckpt) in line and "damaged" in line
     assert tree_digest(run_dir) == before
 
 
 def test_resume_with_a_different_essential_argument_is_refused(finished_run, tmp_path):
     run_dir = copy_run(finished_run, tmp_path)
+    (run_dir / "results.json").unlink()
     before = tree_digest(run_dir)
     line = check_one_error_line(run_trainer("ppo.py", cli(run_dir, **{**SMALL_RUN, "lr": 2e-3}, resume=True)))
     assert str(run_dir) in line and "lr" in line
     assert tree_digest(run_dir) == before
 
 
-def test_resume_with_more_total_steps_continues_the_curve(finished_run, tmp_path):
+@pytest.mark.parametrize(("flag", "value"), [("total_steps", 2), ("lr_schedule", "cosine"), ("warmup_steps", 1)])
+def test_resume_with_a_different_schedule_argument_is_refused(finished_run, tmp_path, flag, value):
+    """--total-steps and every argument the LR schedule depends on: a resume keeps the original horizon."""
     run_dir = copy_run(finished_run, tmp_path)
-    # What a run killed after its last checkpoint (step 1) leaves: a later step logged, a half-written line.
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 2, "reward": -1.0}) + "\n" + '{"step": 3, "rew')
-    check_ok(run_here("ppo.py", cli(run_dir, **{**SMALL_RUN, "total_steps": 2}, resume=True)))
-    results = json.loads((run_dir / "results.json").read_text())
-    assert results["steps"] == 2
-    rows = [r for r in read_metrics(run_dir) if "reward" in r]
-    assert [r["step"] for r in rows] == [1, 2], "each step must be logged once"
-    assert rows[1]["reward"] >= 0
+    (run_dir / "results.json").unlink()  # a run killed after its last save
+    before = tree_digest(run_dir)
+    line = check_one_error_line(run_here("ppo.py", cli(run_dir, **{**SMALL_RUN, flag: value}, resume=True)))
+    assert str(run_dir) in line and flag in line
+    assert tree_digest(run_dir) == before
 
 
 def test_a_new_run_in_a_folder_with_a_checkpoint_is_refused(finished_run, tmp_path):
@@ -255,3 +271,56 @@ def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
     rows_b = [{k: r[k] for k in keys} for r in read_metrics(split) if "reward" in r]
     assert rows_a == rows_b
     assert json.loads((split / "results.json").read_text())["steps"] == 4
+
+
+# ------------------------------------------------------------------------------------------------------
+# a crafted checkpoint cannot run code: torch.distributed.checkpoint's .metadata is a pickle
+# ------------------------------------------------------------------------------------------------------
+
+
+class _WritesAFile:
+    """Unpickled, this writes `path`: what a hostile dcp/.metadata would do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('pwned')",))
+
+
+def rehash(ckpt: Path) -> None:
+    """What anyone can do to an unsigned manifest: list every file with its new SHA-256."""
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json")
+    (ckpt / "manifest.json").write_text(json.dumps({str(p.relative_to(ckpt)): runtime._sha256(p) for p in files}))
+
+
+@pytest.mark.parametrize("saved_with_fsdp", [False, True])
+def test_a_crafted_dcp_metadata_pickle_is_refused_and_never_run(finished_run, tmp_path, saved_with_fsdp):
+    import pickle
+
+    run_dir = copy_run(finished_run, tmp_path)
+    (run_dir / "results.json").unlink()
+    ckpt = run_dir / runtime.CHECKPOINT
+    marker = tmp_path / "written-by-the-pickle"
+    (ckpt / "dcp").mkdir()
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_WritesAFile(str(marker))))
+    if saved_with_fsdp:  # args.json edited to claim --fsdp; the manifest re-hashed to match
+        args = json.loads((ckpt / "args.json").read_text())
+        (ckpt / "args.json").write_text(json.dumps({**args, "fsdp": True}))
+    rehash(ckpt)
+    line = check_one_error_line(run_here("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
+    assert not marker.exists(), "the checkpoint ran code"
+    assert str(ckpt) in line
+
+
+def test_a_genuine_dcp_checkpoint_loads_through_the_restricted_reader(tmp_path):
+    """What --fsdp saves (here in one process) still loads: weights and Adam's moments back bitwise."""
+    _, policy, critic, opt, _ = tiny_training_state(seed=0)
+    runtime._save_shards(tmp_path / "dcp", policy, critic, opt)
+    _, policy2, critic2, opt2, _ = tiny_training_state(seed=1)
+    runtime._load_shards(tmp_path / "dcp", policy2, critic2, opt2)
+    for a, b in zip(list(policy.state_dict().values()) + list(critic.state_dict().values()),
+                    list(policy2.state_dict().values()) + list(critic2.state_dict().values())):  # fmt: skip
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert s1.keys() == s2.keys() and all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)

@@ -79,8 +79,9 @@ def data_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 
 
 def env() -> dict[str, str]:
-    # one thread per process, as torchrun sets it: the BLAS then rounds alike in every run
-    return dict(trainer_env(), OMP_NUM_THREADS="1")
+    # one thread per process, as torchrun sets it: the BLAS then rounds alike in every run (RLVR_TEST_THREADS
+    # sets another count, to check that a test does not hang on one floating-point path)
+    return dict(trainer_env(), OMP_NUM_THREADS=os.environ.get("RLVR_TEST_THREADS", "1"))
 
 
 def flags(run_dir: Path, data: Path, **extra) -> list[str]:
@@ -186,9 +187,16 @@ def assert_same_weights(one: Path, two: Path, seed: int = 1) -> None:
             scale = a[part][k].abs().max().clamp(min=1e-12).item()
             assert diff <= REL_TOL * scale, f"{part} {k}: max |one - two| = {diff:.3g}, max |one| = {scale:.3g}"
     init = runtime.load_model("tiny", runtime.load_tokenizer("tiny"), seed=seed).state_dict()
-    moved = max((a["policy"][k] - init[k]).abs().max().item() for k in a["policy"])
-    differ = max((a["policy"][k] - b["policy"][k]).abs().max().item() for k in a["policy"])
-    assert moved > 1e-5 and differ < 1e-2 * moved, (moved, differ)
+    moved = torch.cat([(a["policy"][k] - init[k]).abs().flatten() for k in a["policy"]])  # [n parameters]
+    differ = torch.cat([(a["policy"][k] - b["policy"][k]).abs().flatten() for k in a["policy"]])
+    # Means, not maxima: Adam scales each element's step to about lr whatever its gradient's size, so an element
+    # whose gradient sums to nearly zero (terms that cancel to within fp32 rounding, which depends on the
+    # summation order: one process or an all-reduce of two halves) steps by up to lr in a direction the rounding
+    # picks. The largest difference can then reach the largest move (a 1% bound on the maxima passed at 0.11%
+    # and failed at 1.2% on another run); over the ~3M weights such elements are rare, and the mean difference
+    # measures agreement: grpo measured 1.7e-6 of the mean move; 1e-2, the old bound, leaves a margin of ~6000.
+    ratio = (differ.mean() / moved.mean()).item()
+    assert moved.mean() > 1e-7 and ratio < 1e-2, f"mean |one - two| / mean |one - init| = {ratio:.3g}"
 
 
 def step_rows(run_dir: Path) -> list[dict]:
@@ -198,8 +206,12 @@ def step_rows(run_dir: Path) -> list[dict]:
 
 # Timings, and ratios over the few states the MC measurement takes: a correlation, a whitening or an explained
 # variance of two nearly equal numbers turns float-level differences into a flipped sign or a factor of ten.
-# Every other logged number is compared.
-NOT_COMPARED = ("time/", "tokens_per_s", "mc/seconds", "mc/white/", "pearson", "explained_variance")
+# mc/tokens_generated counts what the engine ran past each state's T - t cut: every batch of MC rollouts runs
+# to its own largest budget, so the count depends on which rows share a batch, i.e. on the ranks (mc/tokens,
+# the usable tokens, is compared). Every other logged number is compared.
+NOT_COMPARED = (
+    "time/", "tokens_per_s", "mc/seconds", "mc/white/", "mc/tokens_generated", "pearson", "explained_variance",
+)  # fmt: skip
 
 
 def assert_same_curve(one: Path, two: Path) -> None:
@@ -213,7 +225,8 @@ def assert_same_curve(one: Path, two: Path) -> None:
             if any(part in key for part in NOT_COMPARED) or not isinstance(va, float):
                 continue
             # abs: means like pg_loss cancel terms of order 1, so their float noise is absolute, not relative
-            assert va == pytest.approx(rb[key], rel=1e-4, abs=2e-5), f"step {ra['step']} {key}: {va} vs {rb[key]}"
+            close = pytest.approx(rb[key], rel=1e-4, abs=2e-5, nan_ok=True)  # NaN: nothing measured, on both
+            assert va == close, f"step {ra['step']} {key}: {va} vs {rb[key]}"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -389,5 +402,6 @@ def test_fsdp_resume_of_a_checkpoint_saved_without_it_stops_every_rank(tmp_path,
 
     run_dir = tmp_path / "run"
     shutil.copytree(ppo_single, run_dir)
-    procs = as_ranks("ppo.py", flags(run_dir, data_dir, **{**RUNS["ppo"][1], "total_steps": 3}, fsdp=True, resume=True))
+    (run_dir / "results.json").unlink()  # a finished run is not resumed at all (exit 0): make it an interrupted one
+    procs = as_ranks("ppo.py", flags(run_dir, data_dir, **RUNS["ppo"][1], fsdp=True, resume=True))
     check_all_ranks_refuse(procs, "saved without it")
