@@ -145,16 +145,10 @@ SIZES = ("batch_per_rank", "optimizer_steps")
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
-    runtime.check_ranges(
+    runtime.check_ranges(  # DPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
-        positive=("batch_size", "samples_per_prompt", "max_new_tokens", "temperature", "lr", "max_grad_norm",
-                  "micro_batch_size", "offline_prompts", "beta", "update_epochs", "eval_batch_size",
-                  "eval_max_new_tokens"),
-        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "eval_every",
-                      "eval_size", "test_size", "save_every"),
-        probability=("top_p",),
-        seeds=("seed",),
-    )  # fmt: skip
+        positive=("samples_per_prompt", "offline_prompts", "beta"),
+    )
 
 
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
@@ -177,24 +171,16 @@ def main() -> None:
         raise runtime.UserError("--pairs gold needs --task gsm8k (the reference solutions are GSM8K's)")
     if args.samples_per_prompt < (2 if args.pairs == "self" else 1):
         raise runtime.UserError(f"--samples-per-prompt {args.samples_per_prompt} cannot give a {args.pairs} pair")
-    if args.beta <= 0:
-        raise runtime.UserError(f"--beta {args.beta} must be positive")
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     args.batch_per_rank = args.batch_size // world
     args.optimizer_steps = args.total_steps * args.update_epochs
     micro = args.micro_batch_size
     sampled = args.batch_size // world if args.online else args.eval_batch_size  # prompts per sampling batch
-    runtime.check_generation_memory(
-        args.model,
-        device,
-        {
-            "--batch-size (online) or --eval-batch-size (offline) x --samples-per-prompt": (
-                sampled * args.samples_per_prompt,
-                args.max_new_tokens,
-            ),
-            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
-        },
-    )
+    runtime.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
+        "--batch-size (online) or --eval-batch-size (offline) x --samples-per-prompt": (
+            sampled * args.samples_per_prompt, args.max_new_tokens),
+        "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+    })  # fmt: skip
     run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
     runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     if not args.resume and (run_dir / "pairs.jsonl").exists():  # only a resume reuses them, under its own checks

@@ -166,16 +166,12 @@ SIZES = ("completions_per_step", "completions_per_rank", "minibatch_size", "micr
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
-    runtime.check_ranges(
+    runtime.check_ranges(  # GRPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
-        positive=("batch_size", "max_new_tokens", "temperature", "lr", "max_grad_norm", "micro_batch_size",
-                  "update_epochs", "num_minibatches", "clip_eps", "clip_eps_high", "eval_batch_size",
-                  "eval_max_new_tokens") + (("mc_prompts",) if args.mc_every else ()),
-        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "kl_coef", "mc_every",
-                      "eval_every", "eval_size", "test_size", "save_every"),
-        probability=("top_p",),
-        seeds=("seed",),
-    )  # fmt: skip
+        positive=("num_minibatches", "clip_eps", "clip_eps_high"),
+    )
+    if args.group_size < 2:
+        raise runtime.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
 
 
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
@@ -194,20 +190,7 @@ def main() -> None:
     validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    if args.group_size < 2:
-        raise runtime.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
-    if args.mc_every and args.mc_samples < 2:
-        raise runtime.UserError(
-            f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
-        )
-    if args.mc_every and args.mc_states < 0:
-        raise runtime.UserError(f"--mc-states {args.mc_states} must be at least 0")
-    if args.mc_every and args.mc_states > max(0, args.max_new_tokens - 1):  # a completion has T - 1 inside states
-        runtime._notice_once(
-            f"--mc-states {args.mc_states} exceeds the {max(0, args.max_new_tokens - 1)} states inside a completion "
-            f"of --max-new-tokens {args.max_new_tokens}: clamped to {max(0, args.max_new_tokens - 1)}"
-        )
-        args.mc_states = max(0, args.max_new_tokens - 1)
+    common.check_measurement(args, world)  # --mc-samples, --mc-prompts, --mc-states
     args.completions_per_step = args.batch_size * args.group_size  # over all ranks; groups stay on one rank
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     args.completions_per_rank = args.completions_per_step // world
@@ -216,18 +199,10 @@ def main() -> None:
     args.micro_batch = min(args.micro_batch_size, args.minibatch_size)
     runtime.check_divides("the minibatch per rank", args.minibatch_size, args.micro_batch, "--micro-batch-size")
     args.optimizer_steps = args.total_steps * args.update_epochs * args.num_minibatches
-    if args.mc_every:
-        runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
-        if args.mc_prompts > args.batch_size:
-            raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
-    runtime.check_generation_memory(
-        args.model,
-        device,
-        {
-            "--batch-size x --group-size": (args.completions_per_rank, args.max_new_tokens),
-            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
-        },
-    )
+    runtime.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
+        "--batch-size x --group-size": (args.completions_per_rank, args.max_new_tokens),
+        "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+    })  # fmt: skip
     G, micro = args.group_size, args.micro_batch
     run_dir = Path(args.run_dir or f"runs/grpo-s{args.seed}")
     runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
@@ -362,24 +337,13 @@ def main() -> None:
             group_mean = (scores - common.group_advantages(scores, G, "none", "mean")).cpu()  # [B]
             loo = (scores - common.group_advantages(scores, G, "none", "loo")).cpu()  # [B]
             report, mc_tok = common.monte_carlo(
-                policy_gen,
-                tokenizer,
-                prompts=[prompts[r] for r in rows],
-                responses=[ids[r] for r in rows],
-                golds=[golds[r] for r in rows],
-                groups=[local_idx[r] for r in rows],
-                row_ids=[lo * G + r for r in rows],
+                policy_gen, tokenizer, prompts=[prompts[r] for r in rows], responses=[ids[r] for r in rows],
+                golds=[golds[r] for r in rows], groups=[local_idx[r] for r in rows], row_ids=[lo * G + r for r in rows],
                 # the baseline of every token of a completion: its group's mean, and the mean of the other G - 1
                 baselines={"group": group_mean[rows, None].expand(-1, T), "loo": loo[rows, None].expand(-1, T)},
-                states=args.mc_states,
-                k=args.mc_samples,
-                max_new_tokens=args.max_new_tokens,
-                seed=args.seed,
-                step=step,
-                task=args.task,
-                temperature=args.temperature,
-                top_p=args.top_p,
-            )
+                states=args.mc_states, k=args.mc_samples, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                step=step, task=args.task, temperature=args.temperature, top_p=args.top_p,
+            )  # fmt: skip
             metrics.update({f"mc/{key}": v for key, v in report.items()})
             counters["mc_tokens"] += mc_tok
             metrics["mc/seconds"] = time.time() - t_mc

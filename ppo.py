@@ -180,17 +180,14 @@ SIZES = ("completions_per_step", "completions_per_rank", "minibatch_size", "micr
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
-    runtime.check_ranges(
+    runtime.check_ranges(  # PPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
-        positive=("batch_size", "group_size", "max_new_tokens", "temperature", "lr", "critic_lr",
-                  "max_grad_norm", "micro_batch_size", "update_epochs", "num_minibatches", "clip_eps",
-                  "eval_batch_size", "eval_max_new_tokens") + (("mc_prompts",) if args.mc_every else ()),
-        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "vf_coef", "vf_clip",
-                      "kl_coef", "mc_every", "mc_states", "eval_every", "eval_size", "test_size", "save_every"),
-        probability=("top_p",),
+        positive=("group_size", "critic_lr", "num_minibatches", "clip_eps"),
+        non_negative=("vf_coef", "vf_clip", "critic_warmup_steps"),
         unit=("gamma", "lam"),
-        seeds=("seed",),
-    )  # fmt: skip
+    )
+    if args.critic_warmup_steps and args.critic == "none":
+        raise runtime.UserError(f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic")
 
 
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
@@ -209,22 +206,7 @@ def main() -> None:
     validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    if args.mc_every and args.mc_samples < 2:
-        raise runtime.UserError(
-            f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
-        )
-    if args.mc_every and args.mc_states < 0:
-        raise runtime.UserError(f"--mc-states {args.mc_states} must be at least 0")
-    if args.mc_every and args.mc_states > max(0, args.max_new_tokens - 1):  # a completion has T - 1 inside states
-        runtime._notice_once(
-            f"--mc-states {args.mc_states} exceeds the {max(0, args.max_new_tokens - 1)} states inside a completion "
-            f"of --max-new-tokens {args.max_new_tokens}: clamped to {max(0, args.max_new_tokens - 1)}"
-        )
-        args.mc_states = max(0, args.max_new_tokens - 1)
-    if args.critic_warmup_steps < 0 or (args.critic_warmup_steps and args.critic == "none"):
-        raise runtime.UserError(
-            f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic and a count of at least 0"
-        )
+    common.check_measurement(args, world)  # --mc-samples, --mc-prompts, --mc-states
     args.completions_per_step = args.batch_size * args.group_size  # over all ranks
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     args.completions_per_rank = args.completions_per_step // world
@@ -233,18 +215,10 @@ def main() -> None:
     args.micro_batch = min(args.micro_batch_size, args.minibatch_size)
     runtime.check_divides("the minibatch per rank", args.minibatch_size, args.micro_batch, "--micro-batch-size")
     args.optimizer_steps = args.total_steps * args.update_epochs * args.num_minibatches
-    if args.mc_every:
-        runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
-        if args.mc_prompts > args.batch_size:
-            raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
-    runtime.check_generation_memory(
-        args.model,
-        device,
-        {
-            "--batch-size x --group-size": (args.completions_per_rank, args.max_new_tokens),
-            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
-        },
-    )
+    runtime.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
+        "--batch-size x --group-size": (args.completions_per_rank, args.max_new_tokens),
+        "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+    })  # fmt: skip
     args.critic_lr = args.critic_lr or (1e-5 if args.critic == "full" else 1e-4)
     G, micro = args.group_size, args.micro_batch
     run_dir = Path(args.run_dir or f"runs/ppo-{args.critic}-s{args.seed}")
@@ -387,10 +361,8 @@ def main() -> None:
         if args.kl_mode == "reward":
             rewards = rewards - args.kl_coef * kl_tok
         if critic is None:  # REINFORCE: the baseline is the batch-mean score, over all ranks
-            baseline = runtime.all_reduce_sum(
-                torch.stack([scores.sum(), torch.tensor(float(len(scores)), device=device)])
-            )
-            old_values = torch.full_like(rewards, (baseline[0] / baseline[1]).item()) * rmask
+            mean = runtime.all_reduce_sums({"score": scores.sum(), "n": float(len(scores))})
+            old_values = torch.full_like(rewards, mean["score"] / mean["n"]) * rmask
         advantages, returns = common.gae(rewards, old_values, rmask, args.gamma, args.lam)  # [B, T] x2
         if args.whiten_advantages:
             advantages = common.masked_whiten(advantages, rmask, global_=True)
@@ -402,38 +374,18 @@ def main() -> None:
             rows = [i * G for i in measured]  # one completion per measured prompt
 
             def kl_to_go(mc_ro: engine.Rollout, used: torch.Tensor) -> torch.Tensor:  # [B]: beta * sum of k1 ahead
-                ref_lp = torch.zeros_like(mc_ro.logprobs)  # [B, T']
-                mc_len = mc_ro.attention_mask.sum(-1).cpu()
-                for mrows in engine.length_sorted_micro_batches(torch.arange(len(used)), mc_len, micro):
-                    with ctx:
-                        ref_lp[mrows] = ref_fwd(
-                            mc_ro.input_ids[mrows],
-                            mc_ro.attention_mask[mrows],
-                            mc_ro.prompt_ids.shape[1],
-                            args.temperature,
-                        )[0].float()
+                ref_lp = engine.rollout_logprobs(ref_fwd, mc_ro, micro, args.temperature)  # [B, T']
                 ahead = torch.arange(ref_lp.shape[1], device=device)[None, :] < used.to(device)[:, None]  # [B, T']
                 return args.kl_coef * (common.kl_estimate(mc_ro.logprobs, ref_lp, "k1") * ahead).sum(-1)
 
             report, mc_tok = common.monte_carlo(
-                policy_gen,
-                tokenizer,
-                prompts=[prompts[r] for r in rows],
-                responses=[ids[r] for r in rows],
-                golds=[golds[r] for r in rows],
-                groups=[local_idx[r] for r in rows],
-                row_ids=[lo * G + r for r in rows],
+                policy_gen, tokenizer, prompts=[prompts[r] for r in rows], responses=[ids[r] for r in rows],
+                golds=[golds[r] for r in rows], groups=[local_idx[r] for r in rows], row_ids=[lo * G + r for r in rows],
                 baselines={"value": old_values[rows]},  # the critic's V(s_t), the baseline of token t
-                states=args.mc_states,
-                k=args.mc_samples,
-                max_new_tokens=args.max_new_tokens,
-                seed=args.seed,
-                step=step,
-                task=args.task,
-                temperature=args.temperature,
-                top_p=args.top_p,
+                states=args.mc_states, k=args.mc_samples, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                step=step, task=args.task, temperature=args.temperature, top_p=args.top_p,
                 penalty=kl_to_go if args.kl_mode == "reward" and ref is not None else None,  # the return it regresses
-            )
+            )  # fmt: skip
             metrics.update({f"mc/{key}": v for key, v in report.items()})
             counters["mc_tokens"] += mc_tok
             metrics["mc/seconds"] = time.time() - t_mc
@@ -465,13 +417,8 @@ def main() -> None:
                             kl = common.kl_estimate(logp, ref_logp[rows], "k3")
                             loss_tok = loss_tok + args.kl_coef * kl
                         if values is not None:
-                            v_loss = (values - returns[rows]) ** 2
-                            if args.vf_clip > 0:
-                                v_clip = old_values[rows] + (values - old_values[rows]).clamp(
-                                    -args.vf_clip, args.vf_clip
-                                )
-                                v_loss = torch.maximum(v_loss, (v_clip - returns[rows]) ** 2)
-                            loss_tok = loss_tok + args.vf_coef * 0.5 * v_loss
+                            v_loss = common.clipped_value_loss(values, old_values[rows], returns[rows], args.vf_clip)
+                            loss_tok = loss_tok + args.vf_coef * v_loss
                         # normalised over the whole minibatch on all ranks; DDP averages, so scale by world
                         w = common.loss_weights(m, "token", n_tok, n_seq, args.max_new_tokens)
                         loss = (loss_tok * w).sum() * world
@@ -486,7 +433,7 @@ def main() -> None:
                             "tokens": m,
                         }
                         if values is not None:
-                            stats["vf_loss"] = 0.5 * v_loss * m
+                            stats["vf_loss"] = v_loss * m
                         for key, v in stats.items():
                             sums[key] = sums.get(key, 0.0) + v.sum().double()
                 if warm:  # no gradient, no step, no weight decay for the policy (a shared trunk's value grads too)

@@ -289,21 +289,33 @@ def check_ranges(
     unit: Sequence[str] = (),
     seeds: Sequence[str] = (),
 ) -> None:
-    """The numeric fields of args by kind (a field set to None is skipped):
+    """The numeric fields of args by kind (a field set to None is skipped): the trainer's own, named here, and
+    the ones every trainer shares (SHARED_RANGES, where args has them).
     positive: sizes, counts, learning rates, temperatures (> 0, finite); non_negative: counts where 0 means
     'off' or 'all', coefficients (>= 0, finite); probability: (0, 1]; unit: [0, 1]; seeds: 0 .. 2^63 - 1."""
     kinds = [
-        (positive, dict(low=0, low_open=True, what="positive")),
-        (non_negative, dict(low=0, what="zero or positive")),
-        (probability, dict(low=0, high=1, low_open=True, what="a probability")),
-        (unit, dict(low=0, high=1, what="a number")),
-        (seeds, dict(low=0, high=SEED_MAX, what="an integer")),
+        (positive, "positive", dict(low=0, low_open=True, what="positive")),
+        (non_negative, "non_negative", dict(low=0, what="zero or positive")),
+        (probability, "probability", dict(low=0, high=1, low_open=True, what="a probability")),
+        (unit, "unit", dict(low=0, high=1, what="a number")),
+        (seeds, "seeds", dict(low=0, high=SEED_MAX, what="an integer")),
     ]
-    for names, kw in kinds:
-        for name in names:
-            value = getattr(args, name)
+    for names, kind, kw in kinds:
+        for name in (*SHARED_RANGES.get(kind, ()), *names):
+            value = getattr(args, name, None)
             if value is not None:
                 check_range(name, value, **kw)
+
+
+# The flags the trainers share, by kind: checked by check_ranges wherever a trainer's Args has them.
+SHARED_RANGES = {
+    "positive": ("batch_size", "max_new_tokens", "temperature", "lr", "max_grad_norm", "micro_batch_size",
+                 "update_epochs", "eval_batch_size", "eval_max_new_tokens"),
+    "non_negative": ("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "kl_coef",
+                     "mc_every", "mc_states", "eval_every", "eval_size", "test_size", "save_every"),
+    "probability": ("top_p",),
+    "seeds": ("seed",),
+}  # fmt: skip
 
 
 def device_memory_bytes(device: torch.device) -> int:
