@@ -7,10 +7,7 @@ requirements.txt); without it the tables are still written.
     python report.py runs/sweep                         # -> runs/sweep/report/: report.md, summary.csv, runs.csv, *.png
     python report.py --estimate runs/timing --steps 200 --seeds 3   # the full sweep's duration from measured step times
 
-sweep.sh's helpers (one line of output per folder, in order):
-
-    python report.py --check DIR...                     # finished, resume or new (reads only; the sweep sets runs aside)
-    python report.py --budget DIR...                    # a reference run's generated training tokens and steps
+It only reads: no run folder is moved or renamed here (the sweep's scheduler, sweep_runner.py, owns the runs).
 """
 
 from __future__ import annotations
@@ -918,45 +915,6 @@ def write_report(out: Path, report_dir: Path) -> Path:
     return report_dir / "report.md"
 
 
-# ======================================================================================================
-# sweep.sh's helpers
-# ======================================================================================================
-
-
-def check(dirs: list[Path], dry_run: bool = False) -> list[str]:
-    """finished (a readable results.json), resume (a checkpoint) or new, per folder. Reads only: a damaged
-    results.json, or a folder left by a run that died before its first checkpoint, is named on stderr and left
-    where it is; setting it aside is the sweep's (report.py never moves or renames a run). dry_run is accepted
-    for sweep.sh's --dry-run and changes nothing here."""
-    states = []
-    for run_dir in dirs:
-        res = run_dir / "results.json"
-        if res.exists():
-            try:
-                load_run(run_dir, run_dir.parent.name)
-                states.append("finished")
-                continue
-            except runtime.UserError as e:
-                print(f"warning: {e}; the run has to be redone", file=sys.stderr)
-        if runtime.find_checkpoint(run_dir) is not None:
-            states.append("resume")
-            continue
-        if run_dir.is_dir() and any(p.name != "tb" for p in run_dir.iterdir()) and not res.exists():
-            print(f"warning: {run_dir} holds a run that never saved a checkpoint", file=sys.stderr)
-        states.append("new")
-    return states
-
-
-def budget(run_dir: Path) -> tuple[int, int]:
-    """A reference run's generated training tokens and steps, from its results.json."""
-    if not (run_dir / "results.json").is_file():
-        raise runtime.UserError(f"the reference run {run_dir} has no results.json (failed or not run)")
-    r = load_run(run_dir, run_dir.parent.name)
-    if r["generated_tokens"] <= 0:
-        raise runtime.UserError(f"{run_dir / 'results.json'} records no generated tokens: no budget to match")
-    return r["generated_tokens"], r["steps"]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -969,22 +927,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="--estimate: the study's steps per run (default 200)")
     p.add_argument("--seeds", type=int, default=3, help="--estimate: seeds in the full sweep (default 3)")
     p.add_argument("--eval-every", type=int, default=25, help="--estimate: the study's --eval-every (default 25)")
-    p.add_argument("--check", nargs="+", metavar="DIR", help="(sweep.sh) print finished, resume or new per run folder")
-    p.add_argument(
-        "--dry-run", action="store_true", help="--check: accepted for sweep.sh; --check never moves anything"
-    )
-    p.add_argument("--budget", nargs="+", metavar="DIR", help="(sweep.sh) print a reference run's tokens and steps")
     a = p.parse_args()
-    modes = sum(x is not None for x in (a.out, a.estimate, a.check, a.budget))
-    if modes != 1:
-        raise runtime.UserError("give exactly one of: OUT, --estimate OUT, --check DIR..., --budget DIR...")
-    if a.check:
-        print("\n".join(check([Path(d) for d in a.check], a.dry_run)))
-    elif a.budget:
-        for d in a.budget:
-            tokens, steps = budget(Path(d))
-            print(tokens, steps)
-    elif a.estimate:
+    if (a.out is None) == (a.estimate is None):
+        raise runtime.UserError("give exactly one of: OUT, --estimate OUT")
+    if a.estimate:
         runs, damaged = load_runs(Path(a.estimate))
         for line in damaged:
             print(f"warning: {line}", file=sys.stderr)

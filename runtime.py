@@ -142,19 +142,25 @@ def _tyro_cli(cls: type[T], default: T, args: Sequence[str] | None) -> T:
 
 
 def _tyro_message(box: str) -> str:
-    """tyro's error box -> its message on one line: the text between the title and the first rule."""
+    """tyro's error box -> its message on one line. rich draws the box with borders and the title in the top one,
+    or (no terminal features) plain: the title alone above a rule of dashes. The message is the first block of
+    text after the title, up to the next rule; the help hints after it are left out."""
     box = re.sub(r"\x1b\[[0-9;]*m", "", box)  # colours, if any
-    body: list[str] = []
-    for line in box.splitlines():
-        inner = line.strip().strip("│╭╮╰╯").strip()
-        if not inner or inner.startswith("─"):
-            if body:
-                break
-            continue
-        if line.strip().startswith("│"):
-            body.append(inner)
-    lines = [line.strip() for line in box.splitlines() if line.strip()]
-    return " ".join(body) or (lines[-1] if lines else "bad command line")
+    rows = [line.strip().strip("│").strip() for line in box.splitlines()]
+    is_rule = [bool(r) and set(r) <= set("─-") for r in rows]
+    blocks: list[list[str]] = [[]]
+    for i, (row, rule) in enumerate(zip(rows, is_rule)):
+        if rule or row[:1] in ("╭", "╰"):  # a rule, or a border (the rich title lives there)
+            blocks.append([])
+        elif row:
+            title = not any(blocks) and i + 1 < len(rows) and is_rule[i + 1] and len(blocks) == 1
+            if not title:  # the plain title: a first line right above a rule
+                blocks[-1].append(row)
+    text = next((b for b in blocks if b), [])
+    out = ""
+    for piece in text:  # rich wraps at the box's width; a wrapped "." or ")" joins without a space
+        out += piece if not out or piece[0] in ".,;:)]" else " " + piece
+    return out or "bad command line (run with --help)"
 
 
 @dataclass

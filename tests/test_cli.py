@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from helpers import check_one_error_line, cli, run_trainer
+from helpers import check_one_error_line, cli, run_here, run_trainer
 
 import runtime
 
@@ -99,3 +99,37 @@ def test_all_reduce_sums_returns_each_named_sum_as_a_float():
     out = runtime.all_reduce_sums(sums)
     assert out == {"count": 2.0, "lengths": 7.0, "p": float(torch.tensor(0.1)), "tokens": 3.0}
     assert all(type(v) is float for v in out.values())
+
+
+# tyro draws its error box with rich: in a terminal or a pipe with box characters and the title in the top border;
+# under pytest's capture (run_here) plain, the title on its own line above a rule of dashes. Both captured verbatim.
+BOXES = {
+    "rich": "╭─ Invalid choice ─────────────────────────────────────────────────────────────╮\n"
+    "│ invalid choice 'bogus' for argument '--task'. Expected one of ('gsm8k',      │\n"
+    "│ 'toy').                                                                      │\n"
+    "│ ──────────────────────────────────────────────────────────────────────────── │\n"
+    "│ For full helptext, run - --help                                              │\n"
+    "╰──────────────────────────────────────────────────────────────────────────────╯\n",
+    "plain": " Invalid choice                                                                 \n"
+    " ------------------------------------------------------------------------------ \n"
+    "  invalid choice 'bogus' for argument '--task'. Expected one of ('gsm8k', 'toy')\n"
+    "  .                                                                             \n"
+    "  ------------------------------------------------------------------------------\n"
+    "  For full helptext, run ppo.py --help                                          \n"
+    "                                                                                \n",
+}
+
+
+@pytest.mark.parametrize("form", list(BOXES))
+def test_tyro_error_box_becomes_its_message(form):
+    assert (
+        runtime._tyro_message(BOXES[form])
+        == "invalid choice 'bogus' for argument '--task'. Expected one of ('gsm8k', 'toy')."
+    )
+
+
+def test_an_unknown_choice_in_process_is_the_same_one_line(tmp_path):
+    """run_here (pytest's capture, tyro's plain box) gives the line a terminal gives: the message, not the help hint."""
+    proc = run_here("ppo.py", cli(tmp_path / "run") + ["--task", "bogus"])
+    assert proc.returncode == 2 and "invalid choice 'bogus' for argument '--task'" in proc.stderr, proc.stderr
+    assert "helptext" not in proc.stderr and not (tmp_path / "run").exists()
