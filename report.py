@@ -859,7 +859,7 @@ def write_report(out: Path, report_dir: Path) -> Path:
         {
             (r["seed"], r["generated_tokens"], r["steps"], str(r["dir"]))
             for r in runs
-            if r["experiment"] == "h2h" and r["method"] == "grpo"
+            if r["experiment"] == "h2h" and r["method"] == "grpo" and r["variant"] == "group"  # the reference run
         }
     )
     lines = [
