@@ -188,6 +188,11 @@ def validate(args: Args) -> None:
     )
     if args.critic_warmup_steps and args.critic == "none":
         raise runtime.UserError(f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic")
+    if args.fsdp and args.kl_mode == "reward" and args.kl_coef > 0 and args.mc_every:  # see docs/distributed.md
+        raise runtime.UserError(
+            "--kl-mode reward with --fsdp cannot be measured against Monte Carlo: the reference's KL of the fresh "
+            "rollouts would take a different number of sharded forwards on each rank; pass --mc-every 0 or drop --fsdp"
+        )
 
 
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
