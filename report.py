@@ -635,7 +635,8 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
             ax.grid(alpha=0.3)
             if i == 0:
                 ax.set_title({"critic": "critic sweep", "h2h": "head-to-head (matched tokens)"}.get(exp, exp))
-                ax.legend(fontsize=7, loc="best")
+                if ax.get_legend_handles_labels()[0]:  # no curve drawn (no metric logged): no legend
+                    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
