@@ -21,7 +21,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -433,6 +433,19 @@ def clipped_surrogate(
     return torch.maximum(loss1, loss2), (loss2 > loss1).float()
 
 
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """PPO's per-token value loss, 0.5 (V - R)^2, with V kept within `clip` of the rollout's values by taking the
+    larger of the clipped and unclipped errors (0: no clipping; the N implementation details,
+    https://arxiv.org/abs/2403.17031).  [B, T] x3 -> [B, T]"""
+    loss = (values - returns) ** 2
+    if clip > 0:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (v_clip - returns) ** 2)
+    return 0.5 * loss
+
+
 def loss_weights(
     mask: torch.Tensor, mode: str, n_tokens: torch.Tensor, n_seqs: torch.Tensor, max_len: int
 ) -> torch.Tensor:
@@ -531,10 +544,15 @@ def dpo_loss(
     raise ValueError(f"unknown DPO loss {kind!r}")
 
 
+def lr_schedule(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
+    """The learning-rate multiplier as a function of the optimiser step, for LambdaLR: the choice checked once."""
+    if schedule not in ("constant", "linear", "cosine"):
+        raise runtime.UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
+    return lambda step: lr_factor(step, warmup, total, schedule)
+
+
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     """The learning-rate multiplier at an optimiser step: linear warmup, then constant, linear or cosine decay."""
-    if schedule not in ("constant", "linear", "cosine"):  # checked at every step: LambdaLR first calls step 0
-        raise runtime.UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
@@ -542,7 +560,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
     if schedule == "linear":
         return 1.0 - frac
-    return 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine
+    return 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine (lr_schedule checked the name)
 
 
 # ======================================================================================================
@@ -795,6 +813,29 @@ def pool_baseline_errors(measurements: Sequence[dict[str, float]]) -> dict[str, 
     sums = {key: sum(float(m[key]) for m in measurements) for key in POOLED_SUMS if all(key in m for m in measurements)}
     sums["measurements"] = float(len(measurements))
     return {**sums, **baseline_error_ratios(sums)}
+
+
+def check_measurement(args: Any, world: int) -> None:
+    """The Monte Carlo flags of ppo.py and grpo.py, checked before anything loads (a UserError, one line): K of at
+    least 2 (the noise correction divides by K - 1), the measured prompts a positive multiple of the world size and
+    at most the batch; --mc-states above a completion's T - 1 inside states is clamped, with a note."""
+    if not args.mc_every:
+        return
+    if args.mc_samples < 2:
+        raise runtime.UserError(
+            f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
+        )
+    runtime.check_range("mc_prompts", args.mc_prompts, 0, low_open=True, what="positive")
+    runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
+    if args.mc_prompts > args.batch_size:
+        raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
+    inside = max(0, args.max_new_tokens - 1)
+    if args.mc_states > inside:
+        runtime._notice_once(
+            f"--mc-states {args.mc_states} exceeds the {inside} states inside a completion of --max-new-tokens "
+            f"{args.max_new_tokens}: clamped to {inside}"
+        )
+        args.mc_states = inside
 
 
 @torch.no_grad()

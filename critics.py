@@ -15,10 +15,9 @@ Shapes and trainable parameters (H = hidden size; SmolLM2-135M has H = 576, the 
 | large  | MLP H -> 1024 -> 1 (two layers)     | 591,873             | 67,585  |
 | full   | a copy of the policy trunk + H -> 1 | 134,515,585         | 3,219,841 |
 
-small < medium < large strictly, and large is twice medium (width doubled at the same depth). The earlier
-study called medium "a single linear head", which has fewer parameters than its two-layer "small" MLP:
-here every step up in the sweep is a step up in capacity. The last layer of every head starts at zero, so
-the first values are 0 (the N implementation details of RLHF with PPO, Huang et al. 2022).
+small < medium < large strictly, and large is twice medium (width doubled at the same depth): every step up
+in the sweep is a step up in capacity. The last layer of every head starts at zero, so the first values are 0
+(the N implementation details of RLHF with PPO, Huang et al. 2022).
 """
 
 from __future__ import annotations

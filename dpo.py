@@ -27,6 +27,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
@@ -52,17 +53,17 @@ class Args:
     """auto (cuda when present), cpu or cuda"""
     fsdp: bool = False
     """under torchrun, shard the policy, reference and critic over the ranks (FSDP2) for a model one GPU cannot hold"""
-    scale: str = "auto"
-    """auto: scale the defaults down on a machine without a GPU; study: the study's settings; cpu: scale down"""
+    scale: Literal["auto", "study", "cpu"] = "auto"
+    """auto: the CPU preset on a machine without a GPU, else the study's settings; study; cpu (the CPU preset)"""
     progress: bool = True
     """show tqdm progress bars"""
 
     # --- model and data ---
     model: str = "smollm2"
     """smollm2 (the packaged SmolLM2-135M-Instruct GGUF), tiny (random, for tests), a hub id, folder or .gguf"""
-    prompt_format: str = "chat"
+    prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
-    task: str = "gsm8k"
+    task: Literal["gsm8k", "toy"] = "gsm8k"
     """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
     data_dir: str | None = None
     """folder with GSM8K's train.jsonl and test.jsonl (default: $GSM8K_DIR, else the hub)"""
@@ -92,19 +93,19 @@ class Args:
     """stop once rollouts have generated this many tokens (0: no budget); offline, it caps the pair sampling"""
     lr: float = 1e-6
     """policy learning rate"""
-    lr_schedule: str = "constant"
-    """constant, linear or cosine, after warmup"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """the learning rate's decay after warmup"""
     warmup_steps: int = 0
     """optimiser steps of linear warmup"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping"""
+    """gradient-norm clipping, of each network apart"""
     micro_batch_size: int = 16
     """pairs per forward on each rank (gradient accumulation up to the step's pairs)"""
 
     # --- DPO ---
-    pairs: str = "gold"
+    pairs: Literal["self", "gold"] = "gold"
     """self: chosen and rejected both sampled; gold: chosen is GSM8K's reference solution"""
     online: bool = False
     """sample pairs from the current policy every step (default: once, from the reference model)"""
@@ -112,7 +113,7 @@ class Args:
     """training prompts sampled once for the offline pair set"""
     beta: float = 0.1
     """DPO's beta: the strength of the implicit KL to the reference"""
-    loss: str = "sigmoid"
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid (DPO) or ipo"""
     update_epochs: int = 1
     """passes over each step's pairs"""
@@ -131,74 +132,55 @@ class Args:
     save_every: int = 25
     """checkpoint every this many steps (and at the end, and on SIGTERM)"""
 
+    # --- sizes, filled at runtime from the above (not flags); recorded in results.json ---
+    batch_per_rank: tyro.conf.Suppress[int] = 0
+    """filled at runtime: batch_size / the world size (online, pairs are then spread evenly over the ranks)"""
+    optimizer_steps: tyro.conf.Suppress[int] = 0
+    """filled at runtime: total_steps x update_epochs, the learning-rate schedule's length"""
+
+
+# The sizes above: they follow from the settings and the world size, so a resume (on any world) does not check them.
+SIZES = ("batch_per_rank", "optimizer_steps")
+
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
-    if args.task not in common.TASKS:
-        raise runtime.UserError(f"unknown --task {args.task!r}: use {' or '.join(common.TASKS)}")
-    runtime.check_ranges(
+    runtime.check_ranges(  # DPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
-        positive=("batch_size", "samples_per_prompt", "max_new_tokens", "temperature", "lr", "max_grad_norm",
-                  "micro_batch_size", "offline_prompts", "beta", "update_epochs", "eval_batch_size",
-                  "eval_max_new_tokens"),
-        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "eval_every",
-                      "eval_size", "test_size", "save_every"),
-        probability=("top_p",),
-        seeds=("seed",),
-    )  # fmt: skip
+        positive=("samples_per_prompt", "offline_prompts", "beta"),
+    )
 
 
-# What `python dpo.py` runs on a machine without a GPU, so that it ends in minutes on 2 cores.
+# The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
 CPU_SCALE = dict(
-    batch_size=4,
-    samples_per_prompt=4,
-    max_new_tokens=96,
-    total_steps=6,
-    micro_batch_size=4,
-    offline_prompts=16,
-    lr=2e-6,
-    eval_every=6,
-    eval_size=32,
-    test_size=64,
-    eval_batch_size=32,
-    eval_max_new_tokens=192,
-    save_every=6,
-)
+    batch_size=4, samples_per_prompt=4, max_new_tokens=96, total_steps=6, micro_batch_size=4, offline_prompts=16,
+    lr=2e-6, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32, eval_max_new_tokens=192, save_every=6,
+)  # fmt: skip
 
 
 def main() -> None:
     # ==================================================================================================
-    # setup
+    # TRY NOT TO MODIFY: arguments, processes, sizes, data. TRY NOT TO MODIFY marks the skeleton that
+    # ppo.py, grpo.py and dpo.py share line for line; ALGO LOGIC marks the method
     # ==================================================================================================
-    args = tyro.cli(Args)
+    args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
     validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    scaled = runtime.apply_cpu_scale(args, device, CPU_SCALE)
-    if args.pairs not in ("self", "gold"):
-        raise runtime.UserError(f"unknown --pairs {args.pairs!r}: use self or gold")
     if args.pairs == "gold" and args.task != "gsm8k":
         raise runtime.UserError("--pairs gold needs --task gsm8k (the reference solutions are GSM8K's)")
-    if args.loss not in ("sigmoid", "ipo"):
-        raise runtime.UserError(f"unknown --loss {args.loss!r}: use sigmoid or ipo")
     if args.samples_per_prompt < (2 if args.pairs == "self" else 1):
         raise runtime.UserError(f"--samples-per-prompt {args.samples_per_prompt} cannot give a {args.pairs} pair")
-    if args.beta <= 0:
-        raise runtime.UserError(f"--beta {args.beta} must be positive")
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
+    args.batch_per_rank = args.batch_size // world
+    args.optimizer_steps = args.total_steps * args.update_epochs
     micro = args.micro_batch_size
     sampled = args.batch_size // world if args.online else args.eval_batch_size  # prompts per sampling batch
-    runtime.check_generation_memory(
-        args.model,
-        device,
-        {
-            "--batch-size (online) or --eval-batch-size (offline) x --samples-per-prompt": (
-                sampled * args.samples_per_prompt,
-                args.max_new_tokens,
-            ),
-            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
-        },
-    )
+    runtime.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
+        "--batch-size (online) or --eval-batch-size (offline) x --samples-per-prompt": (
+            sampled * args.samples_per_prompt, args.max_new_tokens),
+        "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+    })  # fmt: skip
     run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
     runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     if not args.resume and (run_dir / "pairs.jsonl").exists():  # only a resume reuses them, under its own checks
@@ -216,7 +198,8 @@ def main() -> None:
         return prompt_cache[i]
 
     # ==================================================================================================
-    # model
+    # ALGO LOGIC: the networks. The policy: its weights (policy), its training forward (policy_fwd), that
+    # forward data-parallel (policy_ddp), its whole weights for generation (policy_full)
     # ==================================================================================================
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
     policy = runtime.load_model(args.model, tokenizer, args.seed).to(home)
@@ -224,49 +207,42 @@ def main() -> None:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False)  # DPO's baseline: the log-ratio to this model
     critic = None  # DPO has no critic
-    model = engine.PolicyForward(policy, compile=args.compile)
-    ref_model = engine.PolicyForward(ref, compile=args.compile)
-    ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
-    actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
+    policy_fwd = engine.PolicyForward(policy, compile=args.compile)
+    ref_fwd = engine.PolicyForward(ref, compile=args.compile)
+    policy_ddp = runtime.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
+    policy_full = runtime.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
+    groups = [{"params": list(policy.parameters()), "lr": args.lr}]
+    optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
     guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
-    opt_steps = args.total_steps * args.update_epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: common.lr_factor(s, args.warmup_steps, opt_steps, args.lr_schedule)
-    )
+    lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    online = "online" if args.online else "offline"
+    banner = {
+        "pairs": f"{args.pairs}, {online}, {args.loss} loss, beta {args.beta}",
+        "batch": f"{args.batch_size} {'prompts x ' + str(args.samples_per_prompt) if args.online else 'pairs'}"
+        f"/step; {args.update_epochs} epochs",
+    }
+
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: resume, banner, logging, evaluation, checkpoints
+    # ==================================================================================================
     state: dict = {}
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
-    args_dict = dataclasses.asdict(args)
+    args_dict = dataclasses.asdict(args)  # results.json: every setting and the sizes
+    settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
+    modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
-        state = runtime.load_checkpoint(
-            run_dir,
-            policy=policy,
-            critic=critic,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            args=args_dict,
-            map_location=device,
-        )
+        state = runtime.load_checkpoint(run_dir, **modules, map_location=device)
         counters.update(state["counters"])
     if dist_.main:
-        print(
-            runtime.describe_run(
-                "DPO",
-                args,
-                dist_,
-                {
-                    "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
-                    "pairs": f"{args.pairs}, {'online' if args.online else 'offline'}, {args.loss} loss, beta {args.beta}",
-                    "data": f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
-                    f" ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
-                    "batch": f"{args.batch_size} {'prompts x ' + str(args.samples_per_prompt) if args.online else 'pairs'}"
-                    f"/step; {args.update_epochs} epochs",
-                    "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
-                },
-                scaled,
-            ),
-            flush=True,
-        )
+        data = f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
+        banner = {
+            "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
+            **banner,
+            "data": f"{data} ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
+            "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
+        }
+        print(runtime.describe_run("DPO", args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
     logger = runtime.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
     ctx = runtime.autocast_ctx(device)
@@ -274,55 +250,35 @@ def main() -> None:
     t_start = time.time() - counters["wall_time"]
 
     def run_eval(split: str, size: int) -> dict:
-        problems = splits[split][: size or None]
         res = common.evaluate(
-            actor.get(),
-            tokenizer,
-            problems,
-            task=args.task,
-            prompt_format=args.prompt_format,
-            max_new_tokens=args.eval_max_new_tokens,
-            batch_size=args.eval_batch_size,
-            desc=f"eval {split}",
-            show_progress=args.progress,
-        )
+            policy_full.get(), tokenizer, splits[split][: size or None], task=args.task,
+            prompt_format=args.prompt_format, max_new_tokens=args.eval_max_new_tokens,
+            batch_size=args.eval_batch_size, desc=f"eval {split}", show_progress=args.progress,
+        )  # fmt: skip
         counters["eval_tokens"] += res["generated_tokens"]
         return res
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
-        runtime.save_checkpoint(
-            run_dir,
-            policy=policy,
-            tokenizer=tokenizer,
-            critic=critic,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            state={"counters": counters, "sampler": sampler.state_dict(), "world": world},
-            args=args_dict,
-        )
+        state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
+        runtime.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
-    def sample_pairs(idx: list[int], first: int, n_global: int, step: int, stream: int, gen_model) -> tuple:
-        """This rank's prompts idx (global positions first.. of n_global) -> (pairs, stats). K samples per
-        prompt, scored by the shared reward; a pair is (chosen, rejected) token ids; prompts without one count."""
+    def sample_pairs(idx: list[int], first: int, n_global: int, step: int, stream: int, lm) -> tuple:
+        """This rank's prompts idx (global positions first.. of n_global), sampled K times each by lm ->
+        (pairs, named sums). Scored by the shared reward; a pair is (chosen, rejected) token ids; prompts
+        without one are counted."""
         k = args.samples_per_prompt
         if not idx:
-            return [], [0.0, 0.0, 0.0, 0.0]
+            return [], {"reward": 0.0, "completions": 0.0, "no_pair": 0.0, "response_len": 0.0}
         if args.online:
             u = engine.step_uniforms(args.seed, step, stream, n_global * k, args.max_new_tokens, device)
             u = u[first * k : (first + len(idx)) * k]  # this rank's rows of the global table
         else:  # only these rows of the offline table: memory in proportion to the chunk, not to --offline-prompts
             u = common.uniform_rows(args.seed, stream, first * k, len(idx) * k, args.max_new_tokens, device)
         ro = engine.generate(
-            gen_model,
-            [prompt_ids(i) for i in idx for _ in range(k)],
-            max_new_tokens=args.max_new_tokens,
-            eos_id=eos,
-            pad_id=pad,
-            uniforms=u,
-            temperature=args.temperature,
-            top_p=args.top_p,
-        )
+            lm, [prompt_ids(i) for i in idx for _ in range(k)], max_new_tokens=args.max_new_tokens, eos_id=eos,
+            pad_id=pad, uniforms=u, temperature=args.temperature, top_p=args.top_p,
+        )  # fmt: skip
         texts, ids = engine.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in idx for _ in range(k)]
         scores = common.score(args.task, texts, ids, golds)
@@ -337,8 +293,9 @@ def main() -> None:
                 pairs.append({"prompt": i, "chosen": chosen, "rejected": ids[wrong[0]]})
             elif args.pairs == "self" and right and wrong:
                 pairs.append({"prompt": i, "chosen": ids[right[0]], "rejected": ids[wrong[0]]})
-        stats = [sum(scores), float(len(scores)), float(len(idx) - len(pairs)), float(ro.lengths.sum().item())]
-        return pairs, stats
+        n_no_pair = float(len(idx) - len(pairs))
+        stats = {"reward": sum(scores), "completions": float(len(scores)), "no_pair": n_no_pair}
+        return pairs, stats | {"response_len": ro.lengths.sum()}
 
     def seq_logps(module: torch.nn.Module, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed response log-probs of chosen and rejected, one forward over both.  -> [N], [N]"""
@@ -355,7 +312,7 @@ def main() -> None:
         """DPO's baseline, computed once per pair with the frozen reference, in micro-batches."""
         with torch.no_grad(), ctx:
             for s in range(0, len(pairs), micro):
-                c, r = seq_logps(ref_model, pairs[s : s + micro])
+                c, r = seq_logps(ref_fwd, pairs[s : s + micro])
                 for p, rc, rr in zip(pairs[s : s + micro], c.tolist(), r.tolist()):
                     p["ref_chosen"], p["ref_rejected"] = rc, rr
 
@@ -367,9 +324,10 @@ def main() -> None:
         padded = everyone + [dict(everyone[0], weight=0.0)] * (per_rank * world - len(everyone)) if everyone else []
         return len(everyone), padded[dist_.rank * per_rank : (dist_.rank + 1) * per_rank]
 
-    # offline: pairs drawn once from the reference model and cached in the run folder (pairs.jsonl)
+    # ==================================================================================================
+    # ALGO LOGIC: offline, the pairs drawn once from the reference model and cached in the run folder
+    # ==================================================================================================
     pair_set: list[dict] = []
-    pair_stats = [0.0, 0.0, 0.0, 0.0]  # reward sum, completions, prompts without a pair, generated tokens
     pairs_path = run_dir / "pairs.jsonl"
     if not args.online:
         if pairs_path.is_file():
@@ -380,38 +338,38 @@ def main() -> None:
         else:
             offline = common.PromptSampler(len(splits["train"]), args.seed + 1).next(args.offline_prompts)
             chunk = args.eval_batch_size * world
-            gen_ref = runtime.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
+            ref_gen = runtime.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
+            pair_stats = {"reward": 0.0, "completions": 0.0, "no_pair": 0.0, "response_len": 0.0}  # named sums
             bar = tqdm(total=len(offline), desc="offline pairs", disable=not (dist_.main and args.progress))
             for start in range(0, len(offline), chunk):
                 part = offline[start : start + chunk]
                 per = -(-len(part) // world)  # the last chunk may leave a rank fewer prompts, or none
                 mine = part[dist_.rank * per : (dist_.rank + 1) * per]
                 # uniforms indexed by the prompt's place in the whole offline list: the same samples on 1 rank or N
-                pairs, stats = sample_pairs(mine, start + dist_.rank * per, len(offline), 0, 10, gen_ref)
+                pairs, stats = sample_pairs(mine, start + dist_.rank * per, len(offline), 0, 10, ref_gen)
                 _, pairs = spread(pairs)  # the same number of reference forwards on every rank
                 reference_logps(pairs)
                 for gathered in runtime.all_gather_objects(pairs):
                     pair_set += [p for p in gathered if p.get("weight", 1.0) > 0]
-                pair_stats = [a + b for a, b in zip(pair_stats, runtime.all_reduce_sum(torch.tensor(stats)).tolist())]
+                for key, v in runtime.all_reduce_sums(stats).items():
+                    pair_stats[key] += v
                 bar.update(len(part))
-                if args.token_budget and pair_stats[3] >= args.token_budget:
+                if args.token_budget and pair_stats["response_len"] >= args.token_budget:
                     break
             bar.close()
-            del gen_ref
-            counters["generated_tokens"] = int(pair_stats[3])
+            del ref_gen
+            counters["generated_tokens"] = int(pair_stats["response_len"])
             if dist_.main:
                 tmp = pairs_path.with_name(".pairs.jsonl.tmp")
                 tmp.write_text("".join(json.dumps(p) + "\n" for p in pair_set))
                 tmp.replace(pairs_path)
-                logger.log(
-                    0,
-                    {
-                        "pairs/count": len(pair_set),
-                        "pairs/no_pair_share": pair_stats[2] / max(1, len(offline)),
-                        "pairs/sampled_reward": pair_stats[0] / max(1, pair_stats[1]),
-                        "generated_tokens": counters["generated_tokens"],
-                    },
-                )
+                offline_metrics = {
+                    "pairs/count": len(pair_set),
+                    "pairs/no_pair_share": pair_stats["no_pair"] / max(1, len(offline)),
+                    "pairs/sampled_reward": pair_stats["reward"] / max(1, pair_stats["completions"]),
+                    "generated_tokens": counters["generated_tokens"],
+                }
+                logger.log(0, offline_metrics)
         if not pair_set:
             raise runtime.UserError(
                 f"no prompt yielded a {args.pairs} pair (every sample was {'right' if args.pairs == 'self' else 'wrong'}"
@@ -423,29 +381,26 @@ def main() -> None:
     if args.resume:
         sampler.load_state_dict(state["sampler"])
 
-    bar = tqdm(total=args.total_steps, initial=counters["step"], desc="dpo", disable=not (dist_.main and args.progress))
+    show = dist_.main and args.progress
+    bar = tqdm(total=args.total_steps, initial=counters["step"], desc="dpo", disable=not show)
     while counters["step"] < args.total_steps and not (
         args.online and args.token_budget and counters["generated_tokens"] >= args.token_budget
     ):
         step = counters["step"]
         metrics: dict[str, float] = {}
         t0 = time.time()
-        # ==================================================================================================
-        # rollout
-        # ==================================================================================================
+        sums: dict[str, torch.Tensor] = {}  # the step's named sums on this rank, reduced once in 5.
+        # --- 1. rollouts: online, K completions of each of this rank's prompts; offline, cached pairs --------
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
         if args.online:  # K fresh samples per prompt from the current policy
             batch_idx = sampler.next(args.batch_size)
-            pairs, stats = sample_pairs(batch_idx[lo:hi], lo, args.batch_size, step, 0, actor.get())
-            stats = runtime.all_reduce_sum(torch.tensor(stats)).tolist()
+            pairs, stats = sample_pairs(batch_idx[lo:hi], lo, args.batch_size, step, 0, policy_full.get())
+            sums |= {f"sampled/{key}": v for key, v in stats.items()}
         else:  # a batch of the cached pairs
             pairs = [pair_set[i] for i in sampler.next(args.batch_size)[lo:hi]]
-            stats = None
         t_rollout = time.time() - t0
 
-        # ==================================================================================================
-        # reward
-        # ==================================================================================================
+        # --- 2. rewards: the pairs, labelled by the shared verifier, spread evenly over the ranks -------------
         if args.online:  # pairs stay whole; spread them evenly over ranks, padding with zero-weight copies
             n_real, pairs = spread(pairs)
             if not n_real and step == 0:
@@ -456,20 +411,15 @@ def main() -> None:
         else:
             n_real = args.batch_size
 
-        # ==================================================================================================
-        # reference (DPO's baseline: the log-ratio to the frozen reference)
-        # ==================================================================================================
+        # --- 3. ALGO LOGIC: the reference's log-probs (DPO's baseline: the log-ratio to it) ------------------
         if args.online:
             reference_logps(pairs)
         weights = torch.tensor([p.get("weight", 1.0) for p in pairs], device=device)  # [N]
         ref_c = torch.tensor([p["ref_chosen"] for p in pairs], device=device)  # [N]
         ref_r = torch.tensor([p["ref_rejected"] for p in pairs], device=device)  # [N]
 
-        # ==================================================================================================
-        # update
-        # ==================================================================================================
+        # --- 4. update: update_epochs optimiser steps over the step's pairs ----------------------------------
         t_update = time.time()
-        sums: dict[str, float] = {}
         N = len(pairs)
         for _epoch in range(args.update_epochs):
             if not n_real:  # no pair, no update; the schedule still moves on, so that it ends where it should
@@ -477,10 +427,9 @@ def main() -> None:
                 continue
             for s in range(0, N, micro):
                 sl = slice(s, s + micro)
-                last_micro = s + micro >= N
-                sync = runtime.no_sync(ddp_model, last_micro)
-                with sync, ctx:
-                    pi_c, pi_r = seq_logps(ddp_model, pairs[sl])
+                with runtime.no_sync(policy_ddp, last_micro=s + micro >= N), ctx:
+                    pi_c, pi_r = seq_logps(policy_ddp, pairs[sl])
+                    # ALGO LOGIC: the loss per pair
                     loss_pair, margin = common.dpo_loss(pi_c, pi_r, ref_c[sl], ref_r[sl], args.beta, args.loss)
                     # mean over the step's real pairs on all ranks; DDP averages, so scale by world
                     loss = (loss_pair * weights[sl]).sum() / n_real * world
@@ -488,36 +437,34 @@ def main() -> None:
                 guard.track(loss)
                 with torch.no_grad():
                     w = weights[sl]
-                    stats_mb = {
-                        "loss": (loss_pair * w).sum(),
-                        "reward_accuracy": ((margin > 0).float() * w).sum(),
-                        "margin": (margin * w).sum(),
-                        "chosen_reward": (args.beta * (pi_c - ref_c[sl]) * w).sum(),
-                        "rejected_reward": (args.beta * (pi_r - ref_r[sl]) * w).sum(),
-                        "pairs": w.sum(),
+                    stats = {
+                        "loss": loss_pair * w,
+                        "reward_accuracy": (margin > 0).float() * w,
+                        "margin": margin * w,
+                        "chosen_reward": args.beta * (pi_c - ref_c[sl]) * w,
+                        "rejected_reward": args.beta * (pi_r - ref_r[sl]) * w,
+                        "weight": w,
                     }
-                    for key, v in stats_mb.items():
-                        sums[key] = sums.get(key, 0.0) + v.item()
+                    for key, v in stats.items():
+                        sums[key] = sums.get(key, 0.0) + v.sum().double()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             if guard.ok(step + 1, grad_norm):  # else skipped: zero_grad drops its gradients
                 optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.double()
         t_update = time.time() - t_update
 
-        # ==================================================================================================
-        # logging
-        # ==================================================================================================
-        keys = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward", "pairs")
-        totals = runtime.all_reduce_sum(torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)).tolist()
-        npairs = totals[-1]  # 0 when no prompt of an online step yielded a pair: nothing measured, logged as null
+        # --- 5. logging: the step's sums, reduced over ranks in one all_reduce -------------------------------
+        total = runtime.all_reduce_sums(sums)
+        n_pairs = total.get("weight", 0.0)  # 0 when no prompt of an online step yielded a pair: logged as null
         counters["step"] = step + 1
-        metrics.update({k: v / npairs if npairs else float("nan") for k, v in zip(keys[:-1], totals[:-1])})
+        keys = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
+        metrics.update({k: total[k] / n_pairs if n_pairs else float("nan") for k in keys})
         metrics.update(
             {
                 "pairs": n_real,
-                "grad_norm": sums.get("grad_norm", 0.0) / max(1, args.update_epochs),
+                "grad_norm": total.get("grad_norm", 0.0) / (world * max(1, args.update_epochs)),
                 "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
                 "time/rollout": t_rollout,
@@ -525,32 +472,27 @@ def main() -> None:
                 "time/step": time.time() - t0,
             }
         )
-        if stats is not None:  # online: the round's samples
-            counters["generated_tokens"] += int(stats[3])
+        if args.online:  # the round's samples
+            sampled = {key.removeprefix("sampled/"): v for key, v in total.items() if key.startswith("sampled/")}
+            counters["generated_tokens"] += int(sampled["response_len"])
             metrics.update(
                 {
-                    "reward": stats[0] / max(1, stats[1]),
-                    "no_pair_share": stats[2] / args.batch_size,
-                    "tokens_per_s": stats[3] / max(t_rollout, 1e-9),
+                    "reward": sampled["reward"] / max(1, sampled["completions"]),
+                    "no_pair_share": sampled["no_pair"] / args.batch_size,
+                    "tokens_per_s": sampled["response_len"] / max(t_rollout, 1e-9),
                 }
             )
         metrics["generated_tokens"] = counters["generated_tokens"]
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
-            res = run_eval("val", args.eval_size)
-            metrics.update(common.eval_metrics("val", res))
+            metrics.update(common.eval_metrics("val", run_eval("val", args.eval_size)))
         logger.log(counters["step"], metrics)
-        bar.set_postfix(
-            loss=f"{metrics['loss']:.3f}",
-            acc=f"{metrics['reward_accuracy']:.2f}",
-            **({"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}),
-        )
+        val = {"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['reward_accuracy']:.2f}", **val)
         bar.update(1)
 
-        # ==================================================================================================
-        # checkpoint
-        # ==================================================================================================
+        # --- 6. checkpoint: every save_every steps, and now on a stop signal to any rank ----------------------
         if stopper.should_stop():
             save()
             if dist_.main:
@@ -564,7 +506,9 @@ def main() -> None:
             save()
     bar.close()
 
-    # final: a checkpoint, the validation and test accuracy, results.json
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: the end: a checkpoint, the validation and test accuracy, results.json
+    # ==================================================================================================
     save()
     val = run_eval("val", args.eval_size)
     logger.log(counters["step"], common.eval_metrics("val", val))
@@ -573,7 +517,7 @@ def main() -> None:
     if dist_.main:
         results = {
             "method": "dpo",
-            "critic": f"{args.pairs}-{'online' if args.online else 'offline'}",
+            "variant": f"{args.pairs}-{online}",
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,
@@ -581,7 +525,7 @@ def main() -> None:
             "mc_tokens": counters["mc_tokens"],
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
-            "critic_params": 0,
+            "critic_params": runtime.count_params(critic),
             "args": args_dict,
             "scaled_down": scaled,
         }

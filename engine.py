@@ -1184,3 +1184,16 @@ class PolicyForward(nn.Module):
             logp, ent = F.pad(logp, (0, pad)), F.pad(ent, (0, pad))
             values = None if values is None else F.pad(values, (0, pad))
         return logp, ent, values
+
+
+@torch.no_grad()
+def rollout_logprobs(fwd: nn.Module, ro: Rollout, micro: int, temperature: float = 1.0) -> torch.Tensor:
+    """The log-probs of a rollout's responses under a training forward (the reference's, say), without gradient,
+    in length-sorted micro-batches of `micro` rows.  -> [B, T] float32, 0 on padding"""
+    out = torch.zeros_like(ro.logprobs)
+    lengths = ro.attention_mask.sum(-1).cpu()
+    for rows in length_sorted_micro_batches(torch.arange(len(lengths)), lengths, micro):
+        with runtime.autocast_ctx(ro.input_ids.device):
+            lp = fwd(ro.input_ids[rows], ro.attention_mask[rows], ro.prompt_ids.shape[1], temperature)[0]
+        out[rows] = lp.float()
+    return out

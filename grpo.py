@@ -3,8 +3,9 @@
 GRPO's baseline is a Monte Carlo estimate of the prompt's value: unbiased, but it costs G rollouts per
 prompt and is noisy at G = 8. Every `--mc-every` steps this script measures that noise with K fresh
 rollouts from the prompt and from states inside the completions, through the same common.monte_carlo as
-ppo.py's critic, so that a critic's error and the group mean's noise sit on one scale (docs/measurement.md). It also logs the share of groups whose rewards are all equal:
-those carry no learning signal, which on a weak model decides everything.
+ppo.py's critic, so that a critic's error and the group mean's noise sit on one scale (docs/measurement.md).
+It also logs the share of groups whose rewards are all equal: those carry no learning signal, which on a weak
+model decides everything.
 
 Options: `--scale-rewards none` drops the division by the group's std (Dr. GRPO); `--loss-norm` token,
 sequence (the original) or constant (Dr. GRPO); `--baseline loo` uses the leave-one-out mean (RLOO).
@@ -25,6 +26,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
@@ -50,17 +52,17 @@ class Args:
     """auto (cuda when present), cpu or cuda"""
     fsdp: bool = False
     """under torchrun, shard the policy, reference and critic over the ranks (FSDP2) for a model one GPU cannot hold"""
-    scale: str = "auto"
-    """auto: scale the defaults down on a machine without a GPU; study: the study's settings; cpu: scale down"""
+    scale: Literal["auto", "study", "cpu"] = "auto"
+    """auto: the CPU preset on a machine without a GPU, else the study's settings; study; cpu (the CPU preset)"""
     progress: bool = True
     """show tqdm progress bars"""
 
     # --- model and data ---
     model: str = "smollm2"
     """smollm2 (the packaged SmolLM2-135M-Instruct GGUF), tiny (random, for tests), a hub id, folder or .gguf"""
-    prompt_format: str = "chat"
+    prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
-    task: str = "gsm8k"
+    task: Literal["gsm8k", "toy"] = "gsm8k"
     """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
     data_dir: str | None = None
     """folder with GSM8K's train.jsonl and test.jsonl (default: $GSM8K_DIR, else the hub)"""
@@ -90,40 +92,40 @@ class Args:
     """stop once training rollouts have generated this many tokens (0: no budget); matches methods on compute"""
     lr: float = 1e-6
     """policy learning rate"""
-    lr_schedule: str = "constant"
-    """constant, linear or cosine, after warmup"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """the learning rate's decay after warmup"""
     warmup_steps: int = 0
     """optimiser steps of linear warmup"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping"""
+    """gradient-norm clipping, of each network apart"""
     micro_batch_size: int = 64
     """sequences per forward on each rank (gradient accumulation up to a minibatch)"""
-
-    # --- GRPO ---
-    baseline: str = "mean"
-    """mean: the group mean (GRPO); loo: the mean of the other G - 1 (RLOO)"""
-    scale_rewards: str = "group"
-    """group: divide advantages by the group's std (GRPO); none: don't (Dr. GRPO)"""
-    loss_norm: str = "token"
-    """token: over all tokens of the minibatch; sequence: per sequence, then over sequences (GRPO); constant (Dr. GRPO)"""
     update_epochs: int = 2
     """passes over each batch of rollouts"""
     num_minibatches: int = 4
     """minibatches (optimiser steps) per epoch"""
     clip_eps: float = 0.2
-    """clip range for the probability ratio (lower side, and upper unless clip_eps_high)"""
-    clip_eps_high: float | None = None
-    """a separate upper clip range (DAPO's clip-higher); default: clip_eps"""
+    """clip range for the probability ratio"""
     kl_coef: float = 0.04
-    """KL coefficient beta of the k3 estimator in the loss (0: no reference model)"""
+    """KL coefficient beta (0: no reference model)"""
     recompute_logprobs: bool = False
     """recompute old log-probs with a training forward instead of using the rollout's"""
 
+    # --- GRPO ---
+    baseline: Literal["mean", "loo"] = "mean"
+    """mean: the group mean (GRPO); loo: the mean of the other G - 1 (RLOO)"""
+    scale_rewards: Literal["group", "none"] = "group"
+    """group: divide advantages by the group's std (GRPO); none: don't (Dr. GRPO)"""
+    loss_norm: Literal["token", "sequence", "constant"] = "token"
+    """token: over all tokens of the minibatch; sequence: per sequence, then over sequences (GRPO); constant (Dr. GRPO)"""
+    clip_eps_high: float | None = None
+    """a separate upper clip range (DAPO's clip-higher); default: clip_eps"""
+
     # --- measurement against Monte Carlo ---
     mc_every: int = 10
-    """measure the group-mean baseline every this many steps (0: never)"""
+    """measure the baseline against Monte Carlo every this many steps (0: never)"""
     mc_samples: int = 8
     """Monte Carlo rollouts per measured state (K), apart from the group"""
     mc_prompts: int = 32
@@ -145,88 +147,63 @@ class Args:
     save_every: int = 25
     """checkpoint every this many steps (and at the end, and on SIGTERM)"""
 
+    # --- sizes, filled at runtime from the above (not flags); recorded in results.json ---
+    completions_per_step: tyro.conf.Suppress[int] = 0
+    """filled at runtime: batch_size x group_size, over all ranks"""
+    completions_per_rank: tyro.conf.Suppress[int] = 0
+    """filled at runtime: completions_per_step / the world size (a group stays on one rank)"""
+    minibatch_size: tyro.conf.Suppress[int] = 0
+    """filled at runtime: completions_per_rank / num_minibatches, the rows of one optimiser step on each rank"""
+    micro_batch: tyro.conf.Suppress[int] = 0
+    """filled at runtime: min(micro_batch_size, minibatch_size), the rows of one forward"""
+    optimizer_steps: tyro.conf.Suppress[int] = 0
+    """filled at runtime: total_steps x update_epochs x num_minibatches, the learning-rate schedule's length"""
+
+
+# The sizes above: they follow from the settings and the world size, so a resume (on any world) does not check them.
+SIZES = ("completions_per_step", "completions_per_rank", "minibatch_size", "micro_batch", "optimizer_steps")
+
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
-    if args.task not in common.TASKS:
-        raise runtime.UserError(f"unknown --task {args.task!r}: use {' or '.join(common.TASKS)}")
-    runtime.check_ranges(
+    runtime.check_ranges(  # GRPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
-        positive=("batch_size", "max_new_tokens", "temperature", "lr", "max_grad_norm", "micro_batch_size",
-                  "update_epochs", "num_minibatches", "clip_eps", "clip_eps_high", "eval_batch_size",
-                  "eval_max_new_tokens") + (("mc_prompts",) if args.mc_every else ()),
-        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "kl_coef", "mc_every",
-                      "eval_every", "eval_size", "test_size", "save_every"),
-        probability=("top_p",),
-        seeds=("seed",),
-    )  # fmt: skip
+        positive=("num_minibatches", "clip_eps", "clip_eps_high"),
+    )
+    if args.group_size < 2:
+        raise runtime.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
 
 
-# What `python grpo.py` runs on a machine without a GPU, so that it ends in minutes on 2 cores.
+# The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
 CPU_SCALE = dict(
-    batch_size=2,
-    max_new_tokens=96,
-    total_steps=6,
-    micro_batch_size=8,
-    num_minibatches=2,
-    lr=2e-6,
-    mc_every=3,
-    mc_prompts=2,
-    eval_every=6,
-    eval_size=32,
-    test_size=64,
-    eval_batch_size=32,
-    eval_max_new_tokens=192,
-    save_every=6,
-)
+    batch_size=2, max_new_tokens=96, total_steps=6, micro_batch_size=8, num_minibatches=2, lr=2e-6, mc_every=3,
+    mc_prompts=2, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32, eval_max_new_tokens=192, save_every=6,
+)  # fmt: skip
 
 
 def main() -> None:
     # ==================================================================================================
-    # setup
+    # TRY NOT TO MODIFY: arguments, processes, sizes, data. TRY NOT TO MODIFY marks the skeleton that
+    # ppo.py, grpo.py and dpo.py share line for line; ALGO LOGIC marks the method
     # ==================================================================================================
-    args = tyro.cli(Args)
+    args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
     validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    scaled = runtime.apply_cpu_scale(args, device, CPU_SCALE)
-    if args.group_size < 2:
-        raise runtime.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
-    if args.baseline not in ("mean", "loo") or args.scale_rewards not in ("group", "none"):
-        raise runtime.UserError("--baseline must be mean or loo, and --scale-rewards group or none")
-    if args.loss_norm not in ("token", "sequence", "constant"):  # before a rollout is spent, not at the update
-        raise runtime.UserError(f"unknown --loss-norm {args.loss_norm!r}: use token, sequence or constant")
-    if args.mc_every and args.mc_samples < 2:
-        raise runtime.UserError(
-            f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
-        )
-    if args.mc_every and args.mc_states < 0:
-        raise runtime.UserError(f"--mc-states {args.mc_states} must be at least 0")
-    if args.mc_every and args.mc_states > max(0, args.max_new_tokens - 1):  # a completion has T - 1 inside states
-        runtime._notice_once(
-            f"--mc-states {args.mc_states} exceeds the {max(0, args.max_new_tokens - 1)} states inside a completion "
-            f"of --max-new-tokens {args.max_new_tokens}: clamped to {max(0, args.max_new_tokens - 1)}"
-        )
-        args.mc_states = max(0, args.max_new_tokens - 1)
-    n_rollouts = args.batch_size * args.group_size  # completions per step, over all ranks; groups stay on one rank
+    common.check_measurement(args, world)  # --mc-samples, --mc-prompts, --mc-states
+    args.completions_per_step = args.batch_size * args.group_size  # over all ranks; groups stay on one rank
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
-    local_rollouts = n_rollouts // world
-    runtime.check_divides("completions per rank", local_rollouts, args.num_minibatches, "--num-minibatches")
-    minibatch = local_rollouts // args.num_minibatches  # rows per optimiser step on this rank
-    micro = min(args.micro_batch_size, minibatch)
-    runtime.check_divides("the minibatch per rank", minibatch, micro, "--micro-batch-size")
-    if args.mc_every:
-        runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
-        if args.mc_prompts > args.batch_size:
-            raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
-    runtime.check_generation_memory(
-        args.model,
-        device,
-        {
-            "--batch-size x --group-size": (local_rollouts, args.max_new_tokens),
-            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
-        },
-    )
+    args.completions_per_rank = args.completions_per_step // world
+    runtime.check_divides("completions per rank", args.completions_per_rank, args.num_minibatches, "--num-minibatches")
+    args.minibatch_size = args.completions_per_rank // args.num_minibatches
+    args.micro_batch = min(args.micro_batch_size, args.minibatch_size)
+    runtime.check_divides("the minibatch per rank", args.minibatch_size, args.micro_batch, "--micro-batch-size")
+    args.optimizer_steps = args.total_steps * args.update_epochs * args.num_minibatches
+    runtime.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
+        "--batch-size x --group-size": (args.completions_per_rank, args.max_new_tokens),
+        "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+    })  # fmt: skip
+    G, micro = args.group_size, args.micro_batch
     run_dir = Path(args.run_dir or f"runs/grpo-s{args.seed}")
     runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
@@ -240,7 +217,8 @@ def main() -> None:
         return prompt_cache[i]
 
     # ==================================================================================================
-    # model
+    # ALGO LOGIC: the networks. The policy: its weights (policy), its training forward (policy_fwd), that
+    # forward data-parallel (policy_ddp), its whole weights for generation (policy_full)
     # ==================================================================================================
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
     policy = runtime.load_model(args.model, tokenizer, args.seed).to(home)
@@ -248,50 +226,42 @@ def main() -> None:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
     critic = None  # GRPO has no critic: the group is the baseline
-    model = engine.PolicyForward(policy, compile=args.compile)
-    ref_model = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
-    actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, eps=1e-8)
+    policy_fwd = engine.PolicyForward(policy, compile=args.compile)
+    ref_fwd = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
+    policy_ddp = runtime.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
+    policy_full = runtime.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
+    groups = [{"params": list(policy.parameters()), "lr": args.lr}]
+    optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
     guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
-    opt_steps = args.total_steps * args.update_epochs * args.num_minibatches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: common.lr_factor(s, args.warmup_steps, opt_steps, args.lr_schedule)
-    )
+    lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    banner = {
+        "baseline": f"group {args.baseline}, scale {args.scale_rewards}, loss norm {args.loss_norm}",
+        "batch": f"{args.completions_per_step} completions/step = {args.batch_size} prompts x {G}; "
+        f"{args.num_minibatches} minibatches x {args.update_epochs} epochs",
+    }
+
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: resume, banner, logging, evaluation, checkpoints
+    # ==================================================================================================
     sampler = common.PromptSampler(len(splits["train"]), args.seed)
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
-    args_dict = dataclasses.asdict(args)
+    args_dict = dataclasses.asdict(args)  # results.json: every setting and the sizes
+    settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
+    modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
-        state = runtime.load_checkpoint(
-            run_dir,
-            policy=policy,
-            critic=critic,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            args=args_dict,
-            map_location=device,
-        )
+        state = runtime.load_checkpoint(run_dir, **modules, map_location=device)
         counters.update(state["counters"])
         sampler.load_state_dict(state["sampler"])
     if dist_.main:
-        print(
-            runtime.describe_run(
-                "GRPO",
-                args,
-                dist_,
-                {
-                    "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
-                    "baseline": f"group {args.baseline}, scale {args.scale_rewards}, loss norm {args.loss_norm}",
-                    "data": f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
-                    f" ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
-                    "batch": f"{n_rollouts} completions/step = {args.batch_size} prompts x {args.group_size}; "
-                    f"{args.num_minibatches} minibatches x {args.update_epochs} epochs",
-                    "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
-                },
-                scaled,
-            ),
-            flush=True,
-        )
+        data = f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
+        banner = {
+            "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
+            **banner,
+            "data": f"{data} ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
+            "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
+        }
+        print(runtime.describe_run("GRPO", args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
     logger = runtime.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
     ctx = runtime.autocast_ctx(device)
@@ -299,143 +269,103 @@ def main() -> None:
     t_start = time.time() - counters["wall_time"]
 
     def run_eval(split: str, size: int) -> dict:
-        problems = splits[split][: size or None]
         res = common.evaluate(
-            actor.get(),
-            tokenizer,
-            problems,
-            task=args.task,
-            prompt_format=args.prompt_format,
-            max_new_tokens=args.eval_max_new_tokens,
-            batch_size=args.eval_batch_size,
-            desc=f"eval {split}",
-            show_progress=args.progress,
-        )
+            policy_full.get(), tokenizer, splits[split][: size or None], task=args.task,
+            prompt_format=args.prompt_format, max_new_tokens=args.eval_max_new_tokens,
+            batch_size=args.eval_batch_size, desc=f"eval {split}", show_progress=args.progress,
+        )  # fmt: skip
         counters["eval_tokens"] += res["generated_tokens"]
         return res
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
-        runtime.save_checkpoint(
-            run_dir,
-            policy=policy,
-            tokenizer=tokenizer,
-            critic=critic,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            state={"counters": counters, "sampler": sampler.state_dict(), "world": world},
-            args=args_dict,
-        )
+        state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
+        runtime.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
-    bar = tqdm(
-        total=args.total_steps, initial=counters["step"], desc="grpo", disable=not (dist_.main and args.progress)
-    )
+    show = dist_.main and args.progress
+    bar = tqdm(total=args.total_steps, initial=counters["step"], desc="grpo", disable=not show)
     while counters["step"] < args.total_steps and not (
         args.token_budget and counters["generated_tokens"] >= args.token_budget
     ):
         step = counters["step"]
         metrics: dict[str, float] = {}
         t0 = time.time()
-        # ==================================================================================================
-        # rollout
-        # ==================================================================================================
+        # --- 1. rollouts: G completions of each of this rank's prompts, from the policy's whole weights -------
         batch_idx = sampler.next(args.batch_size)  # the global batch; this rank takes its contiguous share
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
-        local_idx = [i for i in batch_idx[lo:hi] for _ in range(args.group_size)]
-        uniforms = engine.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
-        uniforms = uniforms[lo * args.group_size : hi * args.group_size]
+        local_idx = [i for i in batch_idx[lo:hi] for _ in range(G)]
+        uniforms = engine.step_uniforms(args.seed, step, 0, args.completions_per_step, args.max_new_tokens, device)
         prompts = [prompt_ids(i) for i in local_idx]
-        gen = actor.get()  # the policy with whole weights
+        policy_gen = policy_full.get()
         ro = engine.generate(
-            gen,
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            eos_id=eos,
-            pad_id=pad,
-            uniforms=uniforms,
-            temperature=args.temperature,
-            top_p=args.top_p,
-        )
+            policy_gen, prompts, max_new_tokens=args.max_new_tokens, eos_id=eos, pad_id=pad,
+            uniforms=uniforms[lo * G : hi * G], temperature=args.temperature, top_p=args.top_p,
+        )  # fmt: skip
         P = ro.prompt_ids.shape[1]
         input_ids, attn, rmask = ro.input_ids, ro.attention_mask, ro.response_mask  # [B, P+T], [B, P+T], [B, T]
         old_logp = ro.logprobs
         seq_len = attn.sum(-1).cpu()  # [B] tokens per sequence, on the host once: micro-batches of similar length
         t_rollout = time.time() - t0
+
+        # --- 2. ALGO LOGIC: reference log-probs (no gradient) -------------------------------------------------
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
             for rows in engine.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
-                if ref_model is not None:
-                    ref_logp[rows] = ref_model(input_ids[rows], attn[rows], P, args.temperature)[0]
+                if ref_fwd is not None:
+                    ref_logp[rows] = ref_fwd(input_ids[rows], attn[rows], P, args.temperature)[0]
                 if args.recompute_logprobs:
-                    old_logp[rows] = model(input_ids[rows], attn[rows], P, args.temperature)[0]
+                    old_logp[rows] = policy_fwd(input_ids[rows], attn[rows], P, args.temperature)[0]
 
-        # ==================================================================================================
-        # reward
-        # ==================================================================================================
+        # --- 3. rewards: the shared verifier's score of each completion ---------------------------------------
         texts, ids = engine.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in local_idx]
         scores = torch.tensor(common.score(args.task, texts, ids, golds), device=device)  # [B]
         lengths = ro.lengths  # [B]
         kl_tok = common.kl_estimate(old_logp, ref_logp, "k1") * rmask if ref is not None else torch.zeros_like(old_logp)
 
-        # ==================================================================================================
-        # advantages
-        # ==================================================================================================
-        seq_adv = common.group_advantages(scores, args.group_size, args.scale_rewards, args.baseline)  # [B]
+        # --- 4. ALGO LOGIC: advantages ------------------------------------------------------------------------
+        seq_adv = common.group_advantages(scores, G, args.scale_rewards, args.baseline)  # [B]
         advantages = seq_adv[:, None] * rmask  # [B, T]: every token of a completion shares its advantage
-        groups_equal = (scores.view(-1, args.group_size).std(-1) == 0).float()  # [B / G]: no learning signal
+        groups_equal = (scores.view(-1, G).std(-1) == 0).float()  # [B / G]: no learning signal
 
+        # --- 5. ALGO LOGIC: the baseline measured against Monte Carlo, every mc_every steps -------------------
         if args.mc_every and step % args.mc_every == 0:  # measure the group's baseline against Monte Carlo
             t_mc = time.time()
             measured = common.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
-            rows = [i * args.group_size for i in measured]  # one completion per measured prompt
+            rows = [i * G for i in measured]  # one completion per measured prompt
             T = rmask.shape[1]
-            group_mean = (scores - common.group_advantages(scores, args.group_size, "none", "mean")).cpu()  # [B]
-            loo = (scores - common.group_advantages(scores, args.group_size, "none", "loo")).cpu()  # [B]
+            group_mean = (scores - common.group_advantages(scores, G, "none", "mean")).cpu()  # [B]
+            loo = (scores - common.group_advantages(scores, G, "none", "loo")).cpu()  # [B]
             report, mc_tok = common.monte_carlo(
-                gen,
-                tokenizer,
-                prompts=[prompts[r] for r in rows],
-                responses=[ids[r] for r in rows],
-                golds=[golds[r] for r in rows],
-                groups=[local_idx[r] for r in rows],
-                row_ids=[lo * args.group_size + r for r in rows],
+                policy_gen, tokenizer, prompts=[prompts[r] for r in rows], responses=[ids[r] for r in rows],
+                golds=[golds[r] for r in rows], groups=[local_idx[r] for r in rows], row_ids=[lo * G + r for r in rows],
                 # the baseline of every token of a completion: its group's mean, and the mean of the other G - 1
                 baselines={"group": group_mean[rows, None].expand(-1, T), "loo": loo[rows, None].expand(-1, T)},
-                states=args.mc_states,
-                k=args.mc_samples,
-                max_new_tokens=args.max_new_tokens,
-                seed=args.seed,
-                step=step,
-                task=args.task,
-                temperature=args.temperature,
-                top_p=args.top_p,
-            )
+                states=args.mc_states, k=args.mc_samples, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                step=step, task=args.task, temperature=args.temperature, top_p=args.top_p,
+            )  # fmt: skip
             metrics.update({f"mc/{key}": v for key, v in report.items()})
             counters["mc_tokens"] += mc_tok
             metrics["mc/seconds"] = time.time() - t_mc
 
-        # ==================================================================================================
-        # update
-        # ==================================================================================================
+        # --- 6. update: update_epochs passes of num_minibatches optimiser steps over the same global rows -----
         t_update = time.time()
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}  # the step's named sums on this rank, reduced once in 7.
         B = len(prompts)
         for epoch in range(args.update_epochs):
-            # the same global minibatches on one rank or N; this rank holds `minibatch` rows of each
+            # the same global minibatches on one rank or N; this rank holds minibatch_size rows of each
             deal = common.minibatch_rows(
-                B, args.num_minibatches, lo * args.group_size, n_rollouts, args.seed * 7 + step * 131 + epoch
+                B, args.num_minibatches, lo * G, args.completions_per_step, args.seed * 7 + step * 131 + epoch
             )
             for mb_rows in deal:
                 n_tok = runtime.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
-                n_seq = torch.tensor(float(minibatch * world), device=device)  # the minibatch's sequences
+                n_seq = torch.tensor(float(args.minibatch_size * world), device=device)  # and its sequences
                 micro_batches = engine.length_sorted_micro_batches(mb_rows, seq_len, micro)
                 for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
-                    last_micro = j == len(micro_batches) - 1
-                    sync = runtime.no_sync(ddp_model, last_micro)
-                    with sync, ctx:
-                        logp, entropy, _ = ddp_model(input_ids[rows], attn[rows], P, args.temperature)
+                    with runtime.no_sync(policy_ddp, last_micro=j == len(micro_batches) - 1), ctx:
+                        logp, entropy, _ = policy_ddp(input_ids[rows], attn[rows], P, args.temperature)
+                        # ALGO LOGIC: the loss per token
                         pg_loss, clipped = common.clipped_surrogate(
                             logp, old_logp[rows], advantages[rows], args.clip_eps, args.clip_eps_high
                         )
@@ -450,61 +380,46 @@ def main() -> None:
                     guard.track(loss)
                     with torch.no_grad():
                         stats = {
-                            "pg_loss": (pg_loss * m).sum(),
-                            "clipfrac": (clipped * m).sum(),
-                            "entropy": (entropy * m).sum(),
-                            "approx_kl": (
-                                common.kl_estimate(old_logp[rows], logp, "k3") * m
-                            ).sum(),  # KL(old || new), old samples
+                            "pg_loss": pg_loss * m,
+                            "clipfrac": clipped * m,
+                            "entropy": entropy * m,
+                            "approx_kl": common.kl_estimate(old_logp[rows], logp, "k3") * m,  # KL(old || new)
+                            "tokens": m,
                         }
                         for key, v in stats.items():
-                            sums[key] = sums.get(key, 0.0) + v.item()
-                        sums["tokens"] = sums.get("tokens", 0.0) + m.sum().item()
+                            sums[key] = sums.get(key, 0.0) + v.sum().double()
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 if guard.ok(step + 1, grad_norm):  # else skipped: zero_grad drops its gradients
                     optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.double()
         t_update = time.time() - t_update
 
-        # ==================================================================================================
-        # logging
-        # ==================================================================================================
-        totals = runtime.all_reduce_sum(
-            torch.tensor(
-                [sums.get(key, 0.0) for key in ("pg_loss", "clipfrac", "entropy", "approx_kl", "tokens")]
-                + [
-                    scores.sum().item(),
-                    float(B),
-                    lengths.sum().item(),
-                    (~(ro.response_ids == eos).any(-1)).sum().item(),  # no EOS: cut at max_new_tokens
-                    (kl_tok.sum()).item(),
-                    sum(common.extract_final_answer(t) is not None for t in texts),
-                    groups_equal.sum().item(),
-                    float(len(groups_equal)),
-                ],
-                dtype=torch.float64,
-            )
-        ).tolist()
-        pg, cf, ent, akl, ntok, rsum, nseq, lsum, ntrunc, klsum, nfmt, neq, ngroups = totals
-        gen_tokens = int(lsum)
+        # --- 7. logging: the rollouts' sums joined to the update's, reduced over ranks in one all_reduce ------
+        sums |= {
+            "reward": scores.sum(),
+            "completions": float(B),
+            "response_len": lengths.sum(),
+            "truncated": (~(ro.response_ids == eos).any(-1)).sum(),  # no EOS: cut at max_new_tokens
+            "kl_ref": kl_tok.sum(),
+            "format_rate": float(sum(common.extract_final_answer(t) is not None for t in texts)),
+            "groups_equal": groups_equal.sum(),
+            "groups": float(len(groups_equal)),
+        }
+        total = runtime.all_reduce_sums(sums)
+        n, n_tok = total["completions"], total["tokens"]
+        gen_tokens = int(total["response_len"])
         counters["generated_tokens"] += gen_tokens
-        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(ntok)  # completion tokens x epochs
+        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(n_tok)  # completion tokens x epochs
         counters["step"] = step + 1
         metrics.update(
             {
-                "reward": rsum / nseq,
-                "format_rate": nfmt / nseq,
-                "response_len": lsum / nseq,
-                "truncated": ntrunc / nseq,
-                "kl_ref": klsum / max(lsum, 1),
-                "pg_loss": pg / ntok,
-                "clipfrac": cf / ntok,
-                "entropy": ent / ntok,
-                "approx_kl": akl / ntok,
-                "groups_all_equal": neq / ngroups,
-                "grad_norm": sums["grad_norm"] / (args.update_epochs * args.num_minibatches),
+                **{k: total[k] / n for k in ("reward", "format_rate", "response_len", "truncated")},
+                "kl_ref": total["kl_ref"] / max(total["response_len"], 1),
+                **{k: total[k] / n_tok for k in ("pg_loss", "clipfrac", "entropy", "approx_kl")},
+                "groups_all_equal": total["groups_equal"] / total["groups"],
+                "grad_norm": total["grad_norm"] / (world * args.update_epochs * args.num_minibatches),
                 "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
                 "generated_tokens": counters["generated_tokens"],
@@ -517,19 +432,13 @@ def main() -> None:
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
-            res = run_eval("val", args.eval_size)
-            metrics.update(common.eval_metrics("val", res))
+            metrics.update(common.eval_metrics("val", run_eval("val", args.eval_size)))
         logger.log(counters["step"], metrics)
-        bar.set_postfix(
-            reward=f"{metrics['reward']:.3f}",
-            len=f"{metrics['response_len']:.0f}",
-            **({"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}),
-        )
+        val = {"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", len=f"{metrics['response_len']:.0f}", **val)
         bar.update(1)
 
-        # ==================================================================================================
-        # checkpoint
-        # ==================================================================================================
+        # --- 8. checkpoint: every save_every steps, and now on a stop signal to any rank ----------------------
         if stopper.should_stop():
             save()
             if dist_.main:
@@ -543,7 +452,9 @@ def main() -> None:
             save()
     bar.close()
 
-    # final: a checkpoint, the validation and test accuracy, results.json
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: the end: a checkpoint, the validation and test accuracy, results.json
+    # ==================================================================================================
     save()
     val = run_eval("val", args.eval_size)
     logger.log(counters["step"], common.eval_metrics("val", val))
@@ -552,7 +463,7 @@ def main() -> None:
     if dist_.main:
         results = {
             "method": "grpo",
-            "critic": "group" if args.scale_rewards == "group" else "group-unscaled",
+            "variant": "group" if args.scale_rewards == "group" else "group-unscaled",
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,
@@ -562,7 +473,7 @@ def main() -> None:
             "policy_params": runtime.count_params(policy),
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
-            "critic_params": 0,
+            "critic_params": runtime.count_params(critic),
             "args": args_dict,
             "scaled_down": scaled,
         }

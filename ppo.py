@@ -25,6 +25,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
@@ -33,7 +34,7 @@ from tqdm.auto import tqdm
 import common
 import engine
 import runtime
-from critics import CRITICS, build_critic
+from critics import build_critic
 
 
 @dataclass
@@ -51,17 +52,17 @@ class Args:
     """auto (cuda when present), cpu or cuda"""
     fsdp: bool = False
     """under torchrun, shard the policy, reference and critic over the ranks (FSDP2) for a model one GPU cannot hold"""
-    scale: str = "auto"
-    """auto: scale the defaults down on a machine without a GPU; study: the study's settings; cpu: scale down"""
+    scale: Literal["auto", "study", "cpu"] = "auto"
+    """auto: the CPU preset on a machine without a GPU, else the study's settings; study; cpu (the CPU preset)"""
     progress: bool = True
     """show tqdm progress bars"""
 
     # --- model and data ---
     model: str = "smollm2"
     """smollm2 (the packaged SmolLM2-135M-Instruct GGUF), tiny (random, for tests), a hub id, folder or .gguf"""
-    prompt_format: str = "chat"
+    prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
-    task: str = "gsm8k"
+    task: Literal["gsm8k", "toy"] = "gsm8k"
     """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
     data_dir: str | None = None
     """folder with GSM8K's train.jsonl and test.jsonl (default: $GSM8K_DIR, else the hub)"""
@@ -75,8 +76,8 @@ class Args:
     # --- rollout ---
     batch_size: int = 512
     """prompts per step, over all ranks"""
-    rollouts_per_prompt: int = 1
-    """completions per prompt; 1 is the point of a critic: PPO needs no group"""
+    group_size: int = 1
+    """completions per prompt (G); 1 is the point of a critic: PPO needs no group"""
     max_new_tokens: int = 256
     """longest completion, in tokens"""
     temperature: float = 1.0
@@ -91,30 +92,34 @@ class Args:
     """stop once training rollouts have generated this many tokens (0: no budget); matches methods on compute"""
     lr: float = 1e-6
     """policy learning rate"""
-    critic_lr: float | None = None
-    """critic learning rate (default: 1e-4 for a head, 1e-5 for the full critic)"""
-    lr_schedule: str = "constant"
-    """constant, linear or cosine, after warmup"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """the learning rate's decay after warmup"""
     warmup_steps: int = 0
     """optimiser steps of linear warmup"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
-    """gradient clipping, policy and critic separately"""
+    """gradient-norm clipping, of each network apart"""
     micro_batch_size: int = 64
     """sequences per forward on each rank (gradient accumulation up to a minibatch)"""
-
-    # --- PPO ---
-    critic: str = "small"
-    """none, small, medium, large or full (critics.py)"""
-    critic_grad: bool = False
-    """let the value loss flow into the policy's trunk (heads read detached hidden states by default)"""
     update_epochs: int = 2
     """passes over each batch of rollouts"""
     num_minibatches: int = 4
     """minibatches (optimiser steps) per epoch"""
     clip_eps: float = 0.2
-    """PPO's clip range for the probability ratio"""
+    """clip range for the probability ratio"""
+    kl_coef: float = 0.04
+    """KL coefficient beta (0: no reference model)"""
+    recompute_logprobs: bool = False
+    """recompute old log-probs with a training forward instead of using the rollout's"""
+
+    # --- PPO ---
+    critic: Literal["none", "small", "medium", "large", "full"] = "small"
+    """the critic's capacity (critics.py); none: REINFORCE with the batch-mean score as the baseline"""
+    critic_lr: float | None = None
+    """critic learning rate (default: 1e-4 for a head, 1e-5 for the full critic)"""
+    critic_grad: bool = False
+    """let the value loss flow into the policy's trunk (heads read detached hidden states by default)"""
     vf_coef: float = 0.5
     """value loss coefficient"""
     vf_clip: float = 0.2
@@ -125,12 +130,8 @@ class Args:
     """GAE lambda"""
     whiten_advantages: bool = True
     """whiten advantages over the whole batch (all ranks)"""
-    kl_mode: str = "loss"
+    kl_mode: Literal["loss", "reward"] = "loss"
     """where the KL to the reference goes: loss (k3, as GRPO) or reward (k1 per token, as classic RLHF PPO)"""
-    kl_coef: float = 0.04
-    """KL coefficient beta (0: no reference model)"""
-    recompute_logprobs: bool = False
-    """recompute old log-probs with a training forward instead of using the rollout's"""
     critic_warmup_steps: int = 0
     """the first N steps update the critic only (value loss; the policy does not move), as VAPO's value
     pretraining: a critic's capacity is then not confounded with how fast a head learns from zero. The steps
@@ -138,9 +139,9 @@ class Args:
 
     # --- measurement against Monte Carlo ---
     mc_every: int = 10
-    """measure the critic every this many steps (0: never)"""
+    """measure the baseline against Monte Carlo every this many steps (0: never)"""
     mc_samples: int = 8
-    """Monte Carlo rollouts per measured state (K)"""
+    """fresh Monte Carlo rollouts per measured state (K)"""
     mc_prompts: int = 32
     """prompts of the step measured, over all ranks"""
     mc_states: int = 2
@@ -160,92 +161,71 @@ class Args:
     save_every: int = 25
     """checkpoint every this many steps (and at the end, and on SIGTERM)"""
 
+    # --- sizes, filled at runtime from the above (not flags); recorded in results.json ---
+    completions_per_step: tyro.conf.Suppress[int] = 0
+    """filled at runtime: batch_size x group_size, over all ranks"""
+    completions_per_rank: tyro.conf.Suppress[int] = 0
+    """filled at runtime: completions_per_step / the world size (a group stays on one rank)"""
+    minibatch_size: tyro.conf.Suppress[int] = 0
+    """filled at runtime: completions_per_rank / num_minibatches, the rows of one optimiser step on each rank"""
+    micro_batch: tyro.conf.Suppress[int] = 0
+    """filled at runtime: min(micro_batch_size, minibatch_size), the rows of one forward"""
+    optimizer_steps: tyro.conf.Suppress[int] = 0
+    """filled at runtime: total_steps x update_epochs x num_minibatches, the learning-rate schedule's length"""
+
+
+# The sizes above: they follow from the settings and the world size, so a resume (on any world) does not check them.
+SIZES = ("completions_per_step", "completions_per_rank", "minibatch_size", "micro_batch", "optimizer_steps")
+
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
-    if args.task not in common.TASKS:
-        raise runtime.UserError(f"unknown --task {args.task!r}: use {' or '.join(common.TASKS)}")
-    runtime.check_ranges(
+    runtime.check_ranges(  # PPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
-        positive=("batch_size", "rollouts_per_prompt", "max_new_tokens", "temperature", "lr", "critic_lr",
-                  "max_grad_norm", "micro_batch_size", "update_epochs", "num_minibatches", "clip_eps",
-                  "eval_batch_size", "eval_max_new_tokens") + (("mc_prompts",) if args.mc_every else ()),
-        non_negative=("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "vf_coef", "vf_clip",
-                      "kl_coef", "mc_every", "mc_states", "eval_every", "eval_size", "test_size", "save_every"),
-        probability=("top_p",),
+        positive=("group_size", "critic_lr", "num_minibatches", "clip_eps"),
+        non_negative=("vf_coef", "vf_clip", "critic_warmup_steps"),
         unit=("gamma", "lam"),
-        seeds=("seed",),
-    )  # fmt: skip
+    )
+    if args.critic_warmup_steps and args.critic == "none":
+        raise runtime.UserError(f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic")
+    if args.fsdp and args.kl_mode == "reward" and args.kl_coef > 0 and args.mc_every:  # see docs/distributed.md
+        raise runtime.UserError(
+            "--kl-mode reward with --fsdp cannot be measured against Monte Carlo: the reference's KL of the fresh "
+            "rollouts would take a different number of sharded forwards on each rank; pass --mc-every 0 or drop --fsdp"
+        )
 
 
-# What `python ppo.py --critic small` runs on a machine without a GPU, so that it ends in minutes on 2 cores.
+# The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
 CPU_SCALE = dict(
-    batch_size=8,
-    max_new_tokens=96,
-    total_steps=6,
-    micro_batch_size=8,
-    num_minibatches=2,
-    lr=2e-6,
-    mc_every=3,
-    mc_prompts=2,
-    eval_every=6,
-    eval_size=32,
-    test_size=64,
-    eval_batch_size=32,
-    eval_max_new_tokens=192,
-    save_every=6,
-)
+    batch_size=8, max_new_tokens=96, total_steps=6, micro_batch_size=8, num_minibatches=2, lr=2e-6, mc_every=3,
+    mc_prompts=2, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32, eval_max_new_tokens=192, save_every=6,
+)  # fmt: skip
 
 
 def main() -> None:
     # ==================================================================================================
-    # setup
+    # TRY NOT TO MODIFY: arguments, processes, sizes, data. TRY NOT TO MODIFY marks the skeleton that
+    # ppo.py, grpo.py and dpo.py share line for line; ALGO LOGIC marks the method
     # ==================================================================================================
-    args = tyro.cli(Args)
+    args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
     validate(args)
     dist_ = runtime.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    scaled = runtime.apply_cpu_scale(args, device, CPU_SCALE)
-    if args.critic not in CRITICS:
-        raise runtime.UserError(f"unknown --critic {args.critic!r}: choose one of {', '.join(CRITICS)}")
-    if args.mc_every and args.mc_samples < 2:
-        raise runtime.UserError(
-            f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
-        )
-    if args.mc_every and args.mc_states < 0:
-        raise runtime.UserError(f"--mc-states {args.mc_states} must be at least 0")
-    if args.mc_every and args.mc_states > max(0, args.max_new_tokens - 1):  # a completion has T - 1 inside states
-        runtime._notice_once(
-            f"--mc-states {args.mc_states} exceeds the {max(0, args.max_new_tokens - 1)} states inside a completion "
-            f"of --max-new-tokens {args.max_new_tokens}: clamped to {max(0, args.max_new_tokens - 1)}"
-        )
-        args.mc_states = max(0, args.max_new_tokens - 1)
-    if args.kl_mode not in ("loss", "reward"):
-        raise runtime.UserError(f"unknown --kl-mode {args.kl_mode!r}: use loss or reward")
-    if args.critic_warmup_steps < 0 or (args.critic_warmup_steps and args.critic == "none"):
-        raise runtime.UserError(
-            f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic and a count of at least 0"
-        )
-    n_rollouts = args.batch_size * args.rollouts_per_prompt  # completions per step, over all ranks
+    common.check_measurement(args, world)  # --mc-samples, --mc-prompts, --mc-states
+    args.completions_per_step = args.batch_size * args.group_size  # over all ranks
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
-    local_rollouts = n_rollouts // world
-    runtime.check_divides("completions per rank", local_rollouts, args.num_minibatches, "--num-minibatches")
-    minibatch = local_rollouts // args.num_minibatches  # rows per optimiser step on this rank
-    micro = min(args.micro_batch_size, minibatch)
-    runtime.check_divides("the minibatch per rank", minibatch, micro, "--micro-batch-size")
-    if args.mc_every:
-        runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
-        if args.mc_prompts > args.batch_size:
-            raise runtime.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")
-    runtime.check_generation_memory(
-        args.model,
-        device,
-        {
-            "--batch-size x --rollouts-per-prompt": (local_rollouts, args.max_new_tokens),
-            "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
-        },
-    )
+    args.completions_per_rank = args.completions_per_step // world
+    runtime.check_divides("completions per rank", args.completions_per_rank, args.num_minibatches, "--num-minibatches")
+    args.minibatch_size = args.completions_per_rank // args.num_minibatches
+    args.micro_batch = min(args.micro_batch_size, args.minibatch_size)
+    runtime.check_divides("the minibatch per rank", args.minibatch_size, args.micro_batch, "--micro-batch-size")
+    args.optimizer_steps = args.total_steps * args.update_epochs * args.num_minibatches
+    runtime.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
+        "--batch-size x --group-size": (args.completions_per_rank, args.max_new_tokens),
+        "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
+    })  # fmt: skip
     args.critic_lr = args.critic_lr or (1e-5 if args.critic == "full" else 1e-4)
+    G, micro = args.group_size, args.micro_batch
     run_dir = Path(args.run_dir or f"runs/ppo-{args.critic}-s{args.seed}")
     runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
@@ -259,7 +239,8 @@ def main() -> None:
         return prompt_cache[i]
 
     # ==================================================================================================
-    # model
+    # ALGO LOGIC: the networks. The policy: its weights (policy), its training forward (policy_fwd), that
+    # forward data-parallel (policy_ddp), its whole weights for generation (policy_full)
     # ==================================================================================================
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
     policy = runtime.load_model(args.model, tokenizer, args.seed).to(home)
@@ -270,53 +251,44 @@ def main() -> None:
         torch.manual_seed(args.seed)
         critic = build_critic(args.critic, policy.config.hidden_size, policy)
     critic = critic.to(home) if critic is not None else None
-    model = engine.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
-    ref_model = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    ddp_model = runtime.parallelize(model, ref_model, dist_, args.fsdp)  # DDP, FSDP2 (--fsdp), or model itself
-    actor = runtime.FullWeights(policy, device)  # whole weights for generation (a gathered copy under --fsdp)
+    policy_fwd = engine.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
+    ref_fwd = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
+    policy_ddp = runtime.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
+    policy_full = runtime.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": args.critic_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
     guard = runtime.FiniteGuard(policy, critic)  # a non-finite loss or gradient skips the step; a second stops
-    opt_steps = args.total_steps * args.update_epochs * args.num_minibatches
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: common.lr_factor(s, args.warmup_steps, opt_steps, args.lr_schedule)
-    )
+    lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    banner = {
+        "critic": f"{args.critic} ({runtime.count_params(critic):,} trainable parameters)",
+        "batch": f"{args.completions_per_step} completions/step = {args.batch_size} prompts x {G}; "
+        f"{args.num_minibatches} minibatches x {args.update_epochs} epochs",
+    }
+
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: resume, banner, logging, evaluation, checkpoints
+    # ==================================================================================================
     sampler = common.PromptSampler(len(splits["train"]), args.seed)
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
-    args_dict = dataclasses.asdict(args)
+    args_dict = dataclasses.asdict(args)  # results.json: every setting and the sizes
+    settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
+    modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
-        state = runtime.load_checkpoint(
-            run_dir,
-            policy=policy,
-            critic=critic,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            args=args_dict,
-            map_location=device,
-        )
+        state = runtime.load_checkpoint(run_dir, **modules, map_location=device)
         counters.update(state["counters"])
         sampler.load_state_dict(state["sampler"])
     if dist_.main:
-        print(
-            runtime.describe_run(
-                "PPO",
-                args,
-                dist_,
-                {
-                    "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
-                    "critic": f"{args.critic} ({runtime.count_params(critic):,} trainable parameters)",
-                    "data": f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
-                    f" ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
-                    "batch": f"{n_rollouts} completions/step = {args.batch_size} prompts x {args.rollouts_per_prompt}; "
-                    f"{args.num_minibatches} minibatches x {args.update_epochs} epochs",
-                    "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
-                },
-                scaled,
-            ),
-            flush=True,
-        )
+        data = f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
+        banner = {
+            "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
+            **banner,
+            "data": f"{data} ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
+            "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
+        }
+        print(runtime.describe_run("PPO", args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
     logger = runtime.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
     ctx = runtime.autocast_ctx(device)
@@ -324,75 +296,54 @@ def main() -> None:
     t_start = time.time() - counters["wall_time"]
 
     def run_eval(split: str, size: int) -> dict:
-        problems = splits[split][: size or None]
         res = common.evaluate(
-            actor.get(),
-            tokenizer,
-            problems,
-            task=args.task,
-            prompt_format=args.prompt_format,
-            max_new_tokens=args.eval_max_new_tokens,
-            batch_size=args.eval_batch_size,
-            desc=f"eval {split}",
-            show_progress=args.progress,
-        )
+            policy_full.get(), tokenizer, splits[split][: size or None], task=args.task,
+            prompt_format=args.prompt_format, max_new_tokens=args.eval_max_new_tokens,
+            batch_size=args.eval_batch_size, desc=f"eval {split}", show_progress=args.progress,
+        )  # fmt: skip
         counters["eval_tokens"] += res["generated_tokens"]
         return res
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
-        runtime.save_checkpoint(
-            run_dir,
-            policy=policy,
-            tokenizer=tokenizer,
-            critic=critic,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            state={"counters": counters, "sampler": sampler.state_dict(), "world": world},
-            args=args_dict,
-        )
+        state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
+        runtime.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
-    bar = tqdm(total=args.total_steps, initial=counters["step"], desc="ppo", disable=not (dist_.main and args.progress))
+    show = dist_.main and args.progress
+    bar = tqdm(total=args.total_steps, initial=counters["step"], desc="ppo", disable=not show)
     while counters["step"] < args.total_steps and not (
         args.token_budget and counters["generated_tokens"] >= args.token_budget
     ):
         step = counters["step"]
         metrics: dict[str, float] = {}
         t0 = time.time()
-        # ==================================================================================================
-        # rollout
-        # ==================================================================================================
+        # --- 1. rollouts: G completions of each of this rank's prompts, from the policy's whole weights -------
         batch_idx = sampler.next(args.batch_size)  # the global batch; this rank takes its contiguous share
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
-        local_idx = [i for i in batch_idx[lo:hi] for _ in range(args.rollouts_per_prompt)]
-        uniforms = engine.step_uniforms(args.seed, step, 0, n_rollouts, args.max_new_tokens, device)
-        uniforms = uniforms[lo * args.rollouts_per_prompt : hi * args.rollouts_per_prompt]
+        local_idx = [i for i in batch_idx[lo:hi] for _ in range(G)]
+        uniforms = engine.step_uniforms(args.seed, step, 0, args.completions_per_step, args.max_new_tokens, device)
         prompts = [prompt_ids(i) for i in local_idx]
-        gen = actor.get()  # the policy with whole weights
+        policy_gen = policy_full.get()
         ro = engine.generate(
-            gen,
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            eos_id=eos,
-            pad_id=pad,
-            uniforms=uniforms,
-            temperature=args.temperature,
-            top_p=args.top_p,
+            policy_gen, prompts, max_new_tokens=args.max_new_tokens, eos_id=eos, pad_id=pad,
+            uniforms=uniforms[lo * G : hi * G], temperature=args.temperature, top_p=args.top_p,
             return_hidden=critic is not None and not critic.needs_trunk,
-        )
+        )  # fmt: skip
         P = ro.prompt_ids.shape[1]
         input_ids, attn, rmask = ro.input_ids, ro.attention_mask, ro.response_mask  # [B, P+T], [B, P+T], [B, T]
         old_logp = ro.logprobs
         seq_len = attn.sum(-1).cpu()  # [B] tokens per sequence, on the host once: micro-batches of similar length
         t_rollout = time.time() - t0
+
+        # --- 2. ALGO LOGIC: reference log-probs and the critic's values (no gradient) -------------------------
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
             old_values = torch.zeros_like(old_logp)
             for rows in engine.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
-                if ref_model is not None:
-                    ref_logp[rows] = ref_model(input_ids[rows], attn[rows], P, args.temperature)[0]
+                if ref_fwd is not None:
+                    ref_logp[rows] = ref_fwd(input_ids[rows], attn[rows], P, args.temperature)[0]
                 if args.recompute_logprobs:  # the training forward: log-probs, and a full critic's values with them
-                    old_logp[rows], _, v = model(input_ids[rows], attn[rows], P, args.temperature)
+                    old_logp[rows], _, v = policy_fwd(input_ids[rows], attn[rows], P, args.temperature)
                     if critic is not None and critic.needs_trunk:
                         old_values[rows] = v
                 elif critic is not None and critic.needs_trunk:  # the full critic's trunk alone
@@ -402,95 +353,67 @@ def main() -> None:
             if critic is not None and not critic.needs_trunk:
                 old_values = critic(ro.hidden).float() * rmask
 
-        # ==================================================================================================
-        # reward
-        # ==================================================================================================
+        # --- 3. rewards: the shared verifier's score of each completion ---------------------------------------
         texts, ids = engine.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in local_idx]
         scores = torch.tensor(common.score(args.task, texts, ids, golds), device=device)  # [B]
         lengths = ro.lengths  # [B]
+        kl_tok = common.kl_estimate(old_logp, ref_logp, "k1") * rmask if ref is not None else torch.zeros_like(old_logp)
+
+        # --- 4. ALGO LOGIC: advantages ------------------------------------------------------------------------
         rewards = torch.zeros_like(old_logp)  # [B, T]: the score at each completion's last token
         rewards[torch.arange(len(prompts), device=device), lengths - 1] = scores
-        kl_tok = common.kl_estimate(old_logp, ref_logp, "k1") * rmask if ref is not None else torch.zeros_like(rewards)
         if args.kl_mode == "reward":
             rewards = rewards - args.kl_coef * kl_tok
-
-        # ==================================================================================================
-        # advantages
-        # ==================================================================================================
         if critic is None:  # REINFORCE: the baseline is the batch-mean score, over all ranks
-            baseline = runtime.all_reduce_sum(
-                torch.stack([scores.sum(), torch.tensor(float(len(scores)), device=device)])
-            )
-            old_values = torch.full_like(rewards, (baseline[0] / baseline[1]).item()) * rmask
+            mean = runtime.all_reduce_sums({"score": scores.sum(), "n": float(len(scores))})
+            old_values = torch.full_like(rewards, mean["score"] / mean["n"]) * rmask
         advantages, returns = common.gae(rewards, old_values, rmask, args.gamma, args.lam)  # [B, T] x2
         if args.whiten_advantages:
             advantages = common.masked_whiten(advantages, rmask, global_=True)
 
+        # --- 5. ALGO LOGIC: the baseline measured against Monte Carlo, every mc_every steps -------------------
         if args.mc_every and step % args.mc_every == 0:  # measure the baseline against Monte Carlo
             t_mc = time.time()
             measured = common.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
-            rows = [i * args.rollouts_per_prompt for i in measured]  # one completion per measured prompt
+            rows = [i * G for i in measured]  # one completion per measured prompt
 
             def kl_to_go(mc_ro: engine.Rollout, used: torch.Tensor) -> torch.Tensor:  # [B]: beta * sum of k1 ahead
-                ref_lp = torch.zeros_like(mc_ro.logprobs)  # [B, T']
-                mc_len = mc_ro.attention_mask.sum(-1).cpu()
-                for mrows in engine.length_sorted_micro_batches(torch.arange(len(used)), mc_len, micro):
-                    with ctx:
-                        ref_lp[mrows] = ref_model(
-                            mc_ro.input_ids[mrows],
-                            mc_ro.attention_mask[mrows],
-                            mc_ro.prompt_ids.shape[1],
-                            args.temperature,
-                        )[0].float()
+                ref_lp = engine.rollout_logprobs(ref_fwd, mc_ro, micro, args.temperature)  # [B, T']
                 ahead = torch.arange(ref_lp.shape[1], device=device)[None, :] < used.to(device)[:, None]  # [B, T']
                 return args.kl_coef * (common.kl_estimate(mc_ro.logprobs, ref_lp, "k1") * ahead).sum(-1)
 
             report, mc_tok = common.monte_carlo(
-                gen,
-                tokenizer,
-                prompts=[prompts[r] for r in rows],
-                responses=[ids[r] for r in rows],
-                golds=[golds[r] for r in rows],
-                groups=[local_idx[r] for r in rows],
-                row_ids=[lo * args.rollouts_per_prompt + r for r in rows],
+                policy_gen, tokenizer, prompts=[prompts[r] for r in rows], responses=[ids[r] for r in rows],
+                golds=[golds[r] for r in rows], groups=[local_idx[r] for r in rows], row_ids=[lo * G + r for r in rows],
                 baselines={"value": old_values[rows]},  # the critic's V(s_t), the baseline of token t
-                states=args.mc_states,
-                k=args.mc_samples,
-                max_new_tokens=args.max_new_tokens,
-                seed=args.seed,
-                step=step,
-                task=args.task,
-                temperature=args.temperature,
-                top_p=args.top_p,
+                states=args.mc_states, k=args.mc_samples, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                step=step, task=args.task, temperature=args.temperature, top_p=args.top_p,
                 penalty=kl_to_go if args.kl_mode == "reward" and ref is not None else None,  # the return it regresses
-            )
+            )  # fmt: skip
             metrics.update({f"mc/{key}": v for key, v in report.items()})
             counters["mc_tokens"] += mc_tok
             metrics["mc/seconds"] = time.time() - t_mc
 
-        # ==================================================================================================
-        # update
-        # ==================================================================================================
+        # --- 6. update: update_epochs passes of num_minibatches optimiser steps over the same global rows -----
         t_update = time.time()
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}  # the step's named sums on this rank, reduced once in 7.
         B = len(prompts)
         warm = step < args.critic_warmup_steps  # value-only updates: the policy stays where it is
         for epoch in range(args.update_epochs):
-            # the same global minibatches on one rank or N; this rank holds `minibatch` rows of each
+            # the same global minibatches on one rank or N; this rank holds minibatch_size rows of each
             deal = common.minibatch_rows(
-                B, args.num_minibatches, lo * args.rollouts_per_prompt, n_rollouts, args.seed * 7 + step * 131 + epoch
+                B, args.num_minibatches, lo * G, args.completions_per_step, args.seed * 7 + step * 131 + epoch
             )
             for mb_rows in deal:
                 n_tok = runtime.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
-                n_seq = torch.tensor(float(minibatch * world), device=device)
+                n_seq = torch.tensor(float(args.minibatch_size * world), device=device)  # and its sequences
                 micro_batches = engine.length_sorted_micro_batches(mb_rows, seq_len, micro)
                 for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
-                    last_micro = j == len(micro_batches) - 1
-                    sync = runtime.no_sync(ddp_model, last_micro)
-                    with sync, ctx:
-                        logp, entropy, values = ddp_model(input_ids[rows], attn[rows], P, args.temperature)
+                    with runtime.no_sync(policy_ddp, last_micro=j == len(micro_batches) - 1), ctx:
+                        logp, entropy, values = policy_ddp(input_ids[rows], attn[rows], P, args.temperature)
+                        # ALGO LOGIC: the loss per token
                         pg_loss, clipped = common.clipped_surrogate(
                             logp, old_logp[rows], advantages[rows], args.clip_eps
                         )
@@ -499,32 +422,25 @@ def main() -> None:
                             kl = common.kl_estimate(logp, ref_logp[rows], "k3")
                             loss_tok = loss_tok + args.kl_coef * kl
                         if values is not None:
-                            v_loss = (values - returns[rows]) ** 2
-                            if args.vf_clip > 0:
-                                v_clip = old_values[rows] + (values - old_values[rows]).clamp(
-                                    -args.vf_clip, args.vf_clip
-                                )
-                                v_loss = torch.maximum(v_loss, (v_clip - returns[rows]) ** 2)
-                            loss_tok = loss_tok + args.vf_coef * 0.5 * v_loss
-                        # token-mean over the whole minibatch on all ranks; DDP averages, so scale by world
+                            v_loss = common.clipped_value_loss(values, old_values[rows], returns[rows], args.vf_clip)
+                            loss_tok = loss_tok + args.vf_coef * v_loss
+                        # normalised over the whole minibatch on all ranks; DDP averages, so scale by world
                         w = common.loss_weights(m, "token", n_tok, n_seq, args.max_new_tokens)
                         loss = (loss_tok * w).sum() * world
                     loss.backward()
                     guard.track(loss)
                     with torch.no_grad():
                         stats = {
-                            "pg_loss": (pg_loss * m).sum(),
-                            "clipfrac": (clipped * m).sum(),
-                            "entropy": (entropy * m).sum(),
-                            "approx_kl": (
-                                common.kl_estimate(old_logp[rows], logp, "k3") * m
-                            ).sum(),  # KL(old || new), old samples
+                            "pg_loss": pg_loss * m,
+                            "clipfrac": clipped * m,
+                            "entropy": entropy * m,
+                            "approx_kl": common.kl_estimate(old_logp[rows], logp, "k3") * m,  # KL(old || new)
+                            "tokens": m,
                         }
                         if values is not None:
-                            stats["vf_loss"] = (0.5 * v_loss * m).sum()
+                            stats["vf_loss"] = v_loss * m
                         for key, v in stats.items():
-                            sums[key] = sums.get(key, 0.0) + v.item()
-                        sums["tokens"] = sums.get("tokens", 0.0) + m.sum().item()
+                            sums[key] = sums.get(key, 0.0) + v.sum().double()
                 if warm:  # no gradient, no step, no weight decay for the policy (a shared trunk's value grads too)
                     for p in policy.parameters():
                         p.grad = None
@@ -536,47 +452,34 @@ def main() -> None:
                     optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.item()
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm.double()
         t_update = time.time() - t_update
 
-        # ==================================================================================================
-        # logging
-        # ==================================================================================================
-        totals = runtime.all_reduce_sum(
-            torch.tensor(
-                [sums.get(key, 0.0) for key in ("pg_loss", "clipfrac", "entropy", "approx_kl", "vf_loss", "tokens")]
-                + [
-                    scores.sum().item(),
-                    float(B),
-                    lengths.sum().item(),
-                    (~(ro.response_ids == eos).any(-1)).sum().item(),  # no EOS: cut at max_new_tokens
-                    (kl_tok.sum()).item(),
-                    sum(common.extract_final_answer(t) is not None for t in texts),
-                ],
-                dtype=torch.float64,
-            )
-        ).tolist()
-        pg, cf, ent, akl, vf, ntok, rsum, nseq, lsum, ntrunc, klsum, nfmt = totals
-        gen_tokens = int(lsum)
+        # --- 7. logging: the rollouts' sums joined to the update's, reduced over ranks in one all_reduce ------
+        sums |= {
+            "reward": scores.sum(),
+            "completions": float(B),
+            "response_len": lengths.sum(),
+            "truncated": (~(ro.response_ids == eos).any(-1)).sum(),  # no EOS: cut at max_new_tokens
+            "kl_ref": kl_tok.sum(),
+            "format_rate": float(sum(common.extract_final_answer(t) is not None for t in texts)),
+        }
+        total = runtime.all_reduce_sums(sums)
+        n, n_tok = total["completions"], total["tokens"]
+        gen_tokens = int(total["response_len"])
         counters["generated_tokens"] += gen_tokens
-        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(ntok)  # completion tokens x epochs
+        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(n_tok)  # completion tokens x epochs
         counters["step"] = step + 1
         ev = common.explained_variance_masked(old_values, returns, rmask) if critic is not None else float("nan")
         metrics.update(
             {
-                "reward": rsum / nseq,
-                "format_rate": nfmt / nseq,
-                "response_len": lsum / nseq,
-                "truncated": ntrunc / nseq,
-                "kl_ref": klsum / max(lsum, 1),
-                "pg_loss": pg / ntok,
-                "clipfrac": cf / ntok,
-                "entropy": ent / ntok,
-                "approx_kl": akl / ntok,
-                "vf_loss": vf / ntok if critic is not None else None,
+                **{k: total[k] / n for k in ("reward", "format_rate", "response_len", "truncated")},
+                "kl_ref": total["kl_ref"] / max(total["response_len"], 1),
+                **{k: total[k] / n_tok for k in ("pg_loss", "clipfrac", "entropy", "approx_kl")},
+                "vf_loss": total["vf_loss"] / n_tok if critic is not None else None,
                 "value_explained_variance": ev,
                 "critic_warmup": float(warm),
-                "grad_norm": sums["grad_norm"] / (args.update_epochs * args.num_minibatches),
+                "grad_norm": total["grad_norm"] / (world * args.update_epochs * args.num_minibatches),
                 "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
                 "generated_tokens": counters["generated_tokens"],
@@ -589,19 +492,13 @@ def main() -> None:
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
-            res = run_eval("val", args.eval_size)
-            metrics.update(common.eval_metrics("val", res))
+            metrics.update(common.eval_metrics("val", run_eval("val", args.eval_size)))
         logger.log(counters["step"], metrics)
-        bar.set_postfix(
-            reward=f"{metrics['reward']:.3f}",
-            len=f"{metrics['response_len']:.0f}",
-            **({"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}),
-        )
+        val = {"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}
+        bar.set_postfix(reward=f"{metrics['reward']:.3f}", len=f"{metrics['response_len']:.0f}", **val)
         bar.update(1)
 
-        # ==================================================================================================
-        # checkpoint
-        # ==================================================================================================
+        # --- 8. checkpoint: every save_every steps, and now on a stop signal to any rank ----------------------
         if stopper.should_stop():
             save()
             if dist_.main:
@@ -615,7 +512,9 @@ def main() -> None:
             save()
     bar.close()
 
-    # final: a checkpoint, the validation and test accuracy, results.json
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: the end: a checkpoint, the validation and test accuracy, results.json
+    # ==================================================================================================
     save()
     val = run_eval("val", args.eval_size)
     logger.log(counters["step"], common.eval_metrics("val", val))
@@ -624,7 +523,7 @@ def main() -> None:
     if dist_.main:
         results = {
             "method": "ppo",
-            "critic": args.critic,
+            "variant": args.critic,
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,

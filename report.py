@@ -7,10 +7,7 @@ requirements.txt); without it the tables are still written.
     python report.py runs/sweep                         # -> runs/sweep/report/: report.md, summary.csv, runs.csv, *.png
     python report.py --estimate runs/timing --steps 200 --seeds 3   # the full sweep's duration from measured step times
 
-sweep.sh's helpers (one line of output per folder, in order):
-
-    python report.py --check DIR...                     # finished, resume or new (reads only; the sweep sets runs aside)
-    python report.py --budget DIR...                    # a reference run's generated training tokens and steps
+It only reads: no run folder is moved or renamed here (the sweep's scheduler, sweep_runner.py, owns the runs).
 """
 
 from __future__ import annotations
@@ -225,7 +222,10 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
 def run_variant(res: dict[str, Any]) -> str:
     """A run's variant from its results.json (never from its folder's name): the critic (or grpo's "group", dpo's
     pairs), and the settings the sweep's extra arms change: GRPO without the std division, PPO at lambda < 1."""
-    variant, args = str(res["critic"]), res.get("args") or {}
+    variant, args = res.get("variant", res.get("critic")), res.get("args") or {}  # "critic" before the rename
+    if variant is None:
+        raise KeyError("variant")  # a damaged results.json, as load_run reports it
+    variant = str(variant)
     if res.get("method") == "grpo" and args.get("scale_rewards") == "none" and not variant.endswith("-unscaled"):
         variant += "-unscaled"  # grpo.py names it so itself since the sweep's unscaled arm; older runs did not
     if res.get("method") == "grpo" and args.get("baseline") == "loo":
@@ -635,7 +635,8 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
             ax.grid(alpha=0.3)
             if i == 0:
                 ax.set_title({"critic": "critic sweep", "h2h": "head-to-head (matched tokens)"}.get(exp, exp))
-                ax.legend(fontsize=7, loc="best")
+                if ax.get_legend_handles_labels()[0]:  # no curve drawn (no metric logged): no legend
+                    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -859,7 +860,7 @@ def write_report(out: Path, report_dir: Path) -> Path:
         {
             (r["seed"], r["generated_tokens"], r["steps"], str(r["dir"]))
             for r in runs
-            if r["experiment"] == "h2h" and r["method"] == "grpo"
+            if r["experiment"] == "h2h" and r["method"] == "grpo" and r["variant"] == "group"  # the reference run
         }
     )
     lines = [
@@ -915,45 +916,6 @@ def write_report(out: Path, report_dir: Path) -> Path:
     return report_dir / "report.md"
 
 
-# ======================================================================================================
-# sweep.sh's helpers
-# ======================================================================================================
-
-
-def check(dirs: list[Path], dry_run: bool = False) -> list[str]:
-    """finished (a readable results.json), resume (a checkpoint) or new, per folder. Reads only: a damaged
-    results.json, or a folder left by a run that died before its first checkpoint, is named on stderr and left
-    where it is; setting it aside is the sweep's (report.py never moves or renames a run). dry_run is accepted
-    for sweep.sh's --dry-run and changes nothing here."""
-    states = []
-    for run_dir in dirs:
-        res = run_dir / "results.json"
-        if res.exists():
-            try:
-                load_run(run_dir, run_dir.parent.name)
-                states.append("finished")
-                continue
-            except runtime.UserError as e:
-                print(f"warning: {e}; the run has to be redone", file=sys.stderr)
-        if runtime.find_checkpoint(run_dir) is not None:
-            states.append("resume")
-            continue
-        if run_dir.is_dir() and any(p.name != "tb" for p in run_dir.iterdir()) and not res.exists():
-            print(f"warning: {run_dir} holds a run that never saved a checkpoint", file=sys.stderr)
-        states.append("new")
-    return states
-
-
-def budget(run_dir: Path) -> tuple[int, int]:
-    """A reference run's generated training tokens and steps, from its results.json."""
-    if not (run_dir / "results.json").is_file():
-        raise runtime.UserError(f"the reference run {run_dir} has no results.json (failed or not run)")
-    r = load_run(run_dir, run_dir.parent.name)
-    if r["generated_tokens"] <= 0:
-        raise runtime.UserError(f"{run_dir / 'results.json'} records no generated tokens: no budget to match")
-    return r["generated_tokens"], r["steps"]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -966,22 +928,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="--estimate: the study's steps per run (default 200)")
     p.add_argument("--seeds", type=int, default=3, help="--estimate: seeds in the full sweep (default 3)")
     p.add_argument("--eval-every", type=int, default=25, help="--estimate: the study's --eval-every (default 25)")
-    p.add_argument("--check", nargs="+", metavar="DIR", help="(sweep.sh) print finished, resume or new per run folder")
-    p.add_argument(
-        "--dry-run", action="store_true", help="--check: accepted for sweep.sh; --check never moves anything"
-    )
-    p.add_argument("--budget", nargs="+", metavar="DIR", help="(sweep.sh) print a reference run's tokens and steps")
     a = p.parse_args()
-    modes = sum(x is not None for x in (a.out, a.estimate, a.check, a.budget))
-    if modes != 1:
-        raise runtime.UserError("give exactly one of: OUT, --estimate OUT, --check DIR..., --budget DIR...")
-    if a.check:
-        print("\n".join(check([Path(d) for d in a.check], a.dry_run)))
-    elif a.budget:
-        for d in a.budget:
-            tokens, steps = budget(Path(d))
-            print(tokens, steps)
-    elif a.estimate:
+    if (a.out is None) == (a.estimate is None):
+        raise runtime.UserError("give exactly one of: OUT, --estimate OUT")
+    if a.estimate:
         runs, damaged = load_runs(Path(a.estimate))
         for line in damaged:
             print(f"warning: {line}", file=sys.stderr)

@@ -1,8 +1,9 @@
 """The plumbing every trainer needs and no method depends on: errors, processes, models on disk, logs, checkpoints.
 
-Holds: user errors and run_main, distributed setup and its collectives, seeding, the stop signal, DDP/FSDP and
-whole-weight copies, model and tokenizer loading (the packaged GGUF's cache, the tiny test model), the run
-banner, metrics logging and results, checkpoints and the run folder.
+Holds: user errors, run_main and the command line (cli: tyro with a preset as its default), distributed setup
+and its collectives, seeding, the stop signal, DDP/FSDP and whole-weight copies, model and tokenizer loading
+(the packaged GGUF's cache, the tiny test model), the run banner, metrics logging and results, checkpoints and
+the run folder.
 Does not hold: generation or the training forward (engine.py), data, reward, losses or measurement (common.py).
 Nothing here imports another module of this project.
 """
@@ -15,11 +16,13 @@ import datetime
 import fcntl
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import sys
@@ -29,7 +32,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,7 +60,7 @@ EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
 
 
 def run_main(main: Callable[[], Any]) -> None:
-    """Run a trainer's main(): a UserError becomes one line and exit code 2 on every rank; a NonFiniteError
+    """Run a trainer's main(): a UserError (a bad flag included: see cli) becomes one line and exit code 2 on every rank; a NonFiniteError
     one line and exit 3; a file-system error (a full disk, a folder that cannot be written) one line naming
     the path and exit 1; Ctrl-C before the stop signal is installed (start-up) one line and exit 130. The
     run folder's lock is released on every exit, and a run folder this run created and left empty goes."""
@@ -94,6 +97,70 @@ def run_main(main: Callable[[], Any]) -> None:
             dist.destroy_process_group()
     if code:
         sys.exit(code)
+
+
+T = TypeVar("T")
+
+
+def cli(cls: type[T], cpu: T, args: Sequence[str] | None = None) -> tuple[T, list[str]]:
+    """A trainer's Args from the command line (tyro), its defaults one of two explicit presets: the study's
+    (cls()) or the CPU's (`cpu`). --scale cpu, or --scale auto where --device resolves to the CPU, runs the CPU
+    preset; --scale study the study's; --help shows the one that runs on this machine. A flag given always wins.
+    Returns the args and what the CPU preset changed ("batch_size 512 -> 8"), for the banner and results.json.
+    A bad flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line)."""
+    on_gpu = torch.cuda.is_available()
+    study = cls()
+    first = _tyro_cli(cls, study if on_gpu else cpu, args)  # --help stops here, with this machine's preset
+    second = _tyro_cli(cls, cpu if on_gpu else study, args)
+    at_study, at_cpu = (first, second) if on_gpu else (second, first)
+    device = at_study.device if at_study.device != "auto" else ("cuda" if on_gpu else "cpu")
+    if at_study.scale == "study" or (at_study.scale == "auto" and device.startswith("cuda")):
+        return at_study, []
+    # both parses saw the same flags: a field differs only where it was left to the preset
+    changed = [
+        f"{f.name} {getattr(at_study, f.name)} -> {getattr(at_cpu, f.name)}"
+        for f in dataclasses.fields(cls)
+        if getattr(at_study, f.name) != getattr(at_cpu, f.name)
+    ]
+    return at_cpu, changed
+
+
+def _tyro_cli(cls: type[T], default: T, args: Sequence[str] | None) -> T:
+    import tyro
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            out = tyro.cli(cls, default=default, args=args)
+    except SystemExit as e:
+        if e.code == 2:  # tyro printed an error box and exits 2: its message, as one line
+            raise UserError(_tyro_message(err.getvalue())) from None
+        sys.stderr.write(err.getvalue())
+        raise
+    sys.stderr.write(err.getvalue())  # tyro's warnings, if any
+    return out
+
+
+def _tyro_message(box: str) -> str:
+    """tyro's error box -> its message on one line. rich draws the box with borders and the title in the top one,
+    or (no terminal features) plain: the title alone above a rule of dashes. The message is the first block of
+    text after the title, up to the next rule; the help hints after it are left out."""
+    box = re.sub(r"\x1b\[[0-9;]*m", "", box)  # colours, if any
+    rows = [line.strip().strip("│").strip() for line in box.splitlines()]
+    is_rule = [bool(r) and set(r) <= set("─-") for r in rows]
+    blocks: list[list[str]] = [[]]
+    for i, (row, rule) in enumerate(zip(rows, is_rule)):
+        if rule or row[:1] in ("╭", "╰"):  # a rule, or a border (the rich title lives there)
+            blocks.append([])
+        elif row:
+            title = not any(blocks) and i + 1 < len(rows) and is_rule[i + 1] and len(blocks) == 1
+            if not title:  # the plain title: a first line right above a rule
+                blocks[-1].append(row)
+    text = next((b for b in blocks if b), [])
+    out = ""
+    for piece in text:  # rich wraps at the box's width; a wrapped "." or ")" joins without a space
+        out += piece if not out or piece[0] in ".,;:)]" else " " + piece
+    return out or "bad command line (run with --help)"
 
 
 @dataclass
@@ -145,6 +212,17 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:  # gloo reduces CPU tensors, NCCL CUDA ones (setup_distributed's backends)
         dist.all_reduce(x)
     return x
+
+
+def all_reduce_sums(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """A step's named sums, each summed over ranks: one all_reduce (float64) and one copy to the host per step.
+    Every rank passes the same names."""
+    names = sorted(sums)
+    # a DTensor (clip_grad_norm_'s norm under FSDP) as a plain tensor; every rank does it, in the same order
+    local = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in sums.items()}
+    device = next((v.device for v in local.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    x = torch.stack([torch.as_tensor(local[k], dtype=torch.float64, device=device).reshape(()) for k in names])
+    return dict(zip(names, all_reduce_sum(x).tolist()))
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
@@ -217,21 +295,33 @@ def check_ranges(
     unit: Sequence[str] = (),
     seeds: Sequence[str] = (),
 ) -> None:
-    """The numeric fields of args by kind (a field set to None is skipped):
+    """The numeric fields of args by kind (a field set to None is skipped): the trainer's own, named here, and
+    the ones every trainer shares (SHARED_RANGES, where args has them).
     positive: sizes, counts, learning rates, temperatures (> 0, finite); non_negative: counts where 0 means
     'off' or 'all', coefficients (>= 0, finite); probability: (0, 1]; unit: [0, 1]; seeds: 0 .. 2^63 - 1."""
     kinds = [
-        (positive, dict(low=0, low_open=True, what="positive")),
-        (non_negative, dict(low=0, what="zero or positive")),
-        (probability, dict(low=0, high=1, low_open=True, what="a probability")),
-        (unit, dict(low=0, high=1, what="a number")),
-        (seeds, dict(low=0, high=SEED_MAX, what="an integer")),
+        (positive, "positive", dict(low=0, low_open=True, what="positive")),
+        (non_negative, "non_negative", dict(low=0, what="zero or positive")),
+        (probability, "probability", dict(low=0, high=1, low_open=True, what="a probability")),
+        (unit, "unit", dict(low=0, high=1, what="a number")),
+        (seeds, "seeds", dict(low=0, high=SEED_MAX, what="an integer")),
     ]
-    for names, kw in kinds:
-        for name in names:
-            value = getattr(args, name)
+    for names, kind, kw in kinds:
+        for name in (*SHARED_RANGES.get(kind, ()), *names):
+            value = getattr(args, name, None)
             if value is not None:
                 check_range(name, value, **kw)
+
+
+# The flags the trainers share, by kind: checked by check_ranges wherever a trainer's Args has them.
+SHARED_RANGES = {
+    "positive": ("batch_size", "max_new_tokens", "temperature", "lr", "max_grad_norm", "micro_batch_size",
+                 "update_epochs", "eval_batch_size", "eval_max_new_tokens"),
+    "non_negative": ("val_size", "total_steps", "token_budget", "warmup_steps", "weight_decay", "kl_coef",
+                     "mc_every", "mc_states", "eval_every", "eval_size", "test_size", "save_every"),
+    "probability": ("top_p",),
+    "seeds": ("seed",),
+}  # fmt: skip
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -684,27 +774,6 @@ def _notice_once(message: str) -> None:
 # ======================================================================================================
 # Logging: settings first, metrics.jsonl per step, TensorBoard when installed
 # ======================================================================================================
-
-
-def apply_cpu_scale(
-    args: Any, device: torch.device, overrides: dict[str, Any], argv: Sequence[str] | None = None
-) -> list[str]:
-    """On a machine without a GPU (--scale auto) or with --scale cpu, shrink the settings that were left at
-    their defaults so the same command finishes in minutes; returns what changed, to print at the start.
-    A flag given on the command line (argv, default sys.argv) is never changed, even when it equals the default."""
-    if args.scale == "study" or (args.scale == "auto" and device.type == "cuda"):
-        return []
-    if args.scale not in ("auto", "cpu", "study"):
-        raise UserError(f"unknown --scale {args.scale!r}: use auto, study or cpu")
-    defaults = {f.name: f.default for f in dataclasses.fields(type(args))}
-    argv = sys.argv[1:] if argv is None else argv
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    changed = []
-    for key, value in overrides.items():
-        if key not in given and getattr(args, key) == defaults[key] and value != defaults[key]:
-            setattr(args, key, value)
-            changed.append(f"{key} {defaults[key]} -> {value}")
-    return changed
 
 
 def device_description(device: torch.device, world: int) -> str:

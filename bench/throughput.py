@@ -114,7 +114,7 @@ class Args:
     """arguments given to both grpo.py and ppo.py so that their updates have the same structure"""
     grpo_args: str = "--group-size {group} --batch-size {prompts}"
     """grpo.py's own arguments ({prompts}, {group} filled in; pass as --grpo-args="...")"""
-    ppo_args: str = "--critic small --rollouts-per-prompt 1 --batch-size {completions}"
+    ppo_args: str = "--critic small --group-size 1 --batch-size {completions}"
     """ppo.py's own arguments ({completions} filled in)"""
     trl_steps: int = 3
     """TRL optimiser steps (the first is left out)"""

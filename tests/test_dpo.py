@@ -81,7 +81,7 @@ def test_each_mode_runs_two_steps(dpo_run, mode):
     run_dir = dpo_run(mode)
 
     results = check_results(run_dir, steps=2)
-    assert results["method"] == "dpo" and results["critic"] == f"{flags['pairs']}-{'online' if online else 'offline'}"
+    assert results["method"] == "dpo" and results["variant"] == f"{flags['pairs']}-{'online' if online else 'offline'}"
     for key, value in flags.items():
         assert results["args"][key] == value
 

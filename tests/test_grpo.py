@@ -62,7 +62,7 @@ def test_each_mode_runs_two_steps(tmp_path, mode):
 
     results = check_results(run_dir, steps=2)
     variant = "group" if flags["scale_rewards"] == "group" else "group-unscaled"  # Dr. GRPO: no std division
-    assert results["method"] == "grpo" and results["critic"] == variant and results["critic_params"] == 0
+    assert results["method"] == "grpo" and results["variant"] == variant and results["critic_params"] == 0
     assert results["mc_tokens"] > 0
     for key, value in flags.items():
         assert results["args"][key] == value

@@ -326,4 +326,4 @@ def test_lr_factor_endpoints(warmup):
 def test_lr_factor_unknown_schedule_fails_at_any_step(step):
     # LambdaLR calls the factor at step 0: a mistyped schedule must fail there, not after warmup
     with pytest.raises(runtime.UserError, match="lr-schedule"):
-        common.lr_factor(step, 10, 100, "cosin")
+        common.lr_schedule("cosin", 10, 100)(step)

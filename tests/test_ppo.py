@@ -37,13 +37,17 @@ def test_each_critic_runs_two_steps_with_the_mc_measurement(tmp_path, critic):
     check_ok(run_here("ppo.py", cli(run_dir, **flags)))
 
     results = json.loads((run_dir / "results.json").read_text())
-    assert results["steps"] == 2 and results["critic"] == critic
+    assert results["steps"] == 2 and results["variant"] == critic
     assert 0 <= results["test"]["accuracy"] <= 1 and results["test"]["n"] == 8
     lo, hi = results["test"]["ci95"]
     assert 0 <= lo <= results["test"]["accuracy"] <= hi <= 1
     assert results["generated_tokens"] > 0 and results["mc_tokens"] > 0
     assert results["wall_time_s"] > 0 and results["args"]["critic"] == critic
     assert results["critic_params"] == CRITIC_PARAMS[critic]
+    a = results["args"]  # the sizes filled at runtime
+    assert a["completions_per_step"] == a["batch_size"] * a["group_size"] == a["completions_per_rank"]
+    assert a["minibatch_size"] == a["completions_per_rank"] // a["num_minibatches"]
+    assert a["micro_batch"] == min(a["micro_batch_size"], a["minibatch_size"]) > 0
 
     rows = step_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
@@ -134,12 +138,12 @@ def test_cpu_scale_leaves_flags_given_on_the_command_line():
     """--num-minibatches 4 equals the default; given explicitly, the CPU scale-down must not change it."""
     from ppo import CPU_SCALE, Args
 
-    args = Args(num_minibatches=4, batch_size=6)
-    changed = runtime.apply_cpu_scale(args, torch.device("cpu"), CPU_SCALE, argv=["--num-minibatches", "4"])
+    flags = ["--device", "cpu", "--num-minibatches", "4", "--batch-size", "6"]
+    args, changed = runtime.cli(Args, Args(**CPU_SCALE), flags)
     assert args.num_minibatches == 4 and not any(c.startswith("num_minibatches") for c in changed)
     assert args.batch_size == 6  # not a default: kept
     assert args.max_new_tokens == CPU_SCALE["max_new_tokens"]  # left at its default: scaled
-    assert runtime.apply_cpu_scale(Args(scale="study"), torch.device("cpu"), CPU_SCALE, argv=[]) == []
+    assert runtime.cli(Args, Args(**CPU_SCALE), ["--scale", "study", "--device", "cpu"])[1] == []
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -205,7 +205,7 @@ def test_damaged_interrupted_and_failed_runs_on_the_gpu_pool(smoke, tmp_path):
     assert len(named) == 1 and "damaged" in named[0], proc.stderr
     aside = list(damaged.parent.glob("results.json.damaged-*"))
     assert len(aside) == 1 and aside[0].read_text() == '{"method": "dpo", "test": {"accuracy": 0.'
-    assert runtime.read_results(damaged)["critic"] == "gold-online"
+    assert runtime.read_results(damaged)["variant"] == "gold-online"
     # the interrupted run resumed from its checkpoint
     assert re.search(r"labels/dpo-self-online-s1 on GPU \d \(resuming from its checkpoint\)", proc.stdout)
     assert (runs / "dpo-self-online-s1" / "results.json").is_file()
@@ -440,3 +440,18 @@ def test_report_pools_sums_pairs_problems_and_names_what_old_runs_cannot_fill(tm
     lines = [line for line in md.splitlines() if "leave these columns empty" in line]
     assert len(lines) == 1 and "h2h/ppo-none-s1" in lines[0] and "nmse" in lines[0] and "paired" in lines[0]
     assert "| h2h | ppo-none |" in md and "| h2h | ppo-small |" in md
+
+
+def test_report_names_each_seeds_budget_once_from_the_reference_run(tmp_path):
+    """The matched budget comes from grpo-group, the run the sweep reads it from; the unscaled GRPO arm of the same
+    seed (method grpo too) is a budget-matched run, not a second budget."""
+    sys.path.insert(0, str(REPO))
+    import report
+
+    test = {"accuracy": 0.1, "n": 10, "ci95": [0.0, 0.4]}
+    for name, variant, tokens in (("grpo-group-s1", "group", 1000), ("grpo-group-unscaled-s1", "group-unscaled", 990)):
+        res = {"method": "grpo", "variant": variant, "seed": 1, "steps": 4, "generated_tokens": tokens, "test": test}
+        _write_run(tmp_path, "h2h", name, res, [{"step": 1, "reward": 0.0}])
+    md = report.write_report(tmp_path, tmp_path / "report").read_text()
+    (line,) = [line for line in md.splitlines() if line.startswith("Matched budget")]
+    assert line.count("seed 1:") == 1 and "1,000 generated tokens in 4 steps" in line and "990" not in line, line

@@ -59,7 +59,7 @@ EVERY_TRAINER = [
     ("save-every", -1),
 ]
 ONE_TRAINER = [
-    ("ppo.py", "rollouts-per-prompt", 0),
+    ("ppo.py", "group-size", 0),
     ("ppo.py", "num-minibatches", 0),
     ("ppo.py", "critic-lr", -1),
     ("ppo.py", "critic-lr", "nan"),
@@ -129,3 +129,13 @@ def test_a_bad_value_in_a_fresh_process_is_one_error_line(tmp_path, script, flag
     proc = run_trainer(script, args_for(script, run_dir, **{**BASE[script], flag: value}), timeout=120)
     line = expect_refused(proc, run_dir, f"--{flag}")
     assert proc.stderr.strip() == line and "Traceback" not in proc.stderr, proc.stderr  # the user sees one line
+
+
+def test_fsdp_with_the_kl_in_the_reward_and_a_measurement_is_refused(tmp_path):
+    """--kl-mode reward puts the reference's KL of the Monte Carlo rollouts into their returns: under --fsdp each of
+    those reference forwards is a collective, and the ranks' MC rollouts (completions of different lengths) need
+    different numbers of them: a hang, not a run. Refused before anything loads, with what to do instead."""
+    run_dir = tmp_path / "run"
+    flags = args_for("ppo.py", run_dir, **BASE["ppo.py"]) + ["--fsdp", "--kl-mode", "reward", "--mc-every", "2"]
+    line = expect_refused(run_here("ppo.py", flags), run_dir, "--kl-mode reward")
+    assert "--fsdp" in line and "--mc-every 0" in line

@@ -1,0 +1,135 @@
+"""The trainers' command line: every choice is a Literal that --help lists and tyro refuses when wrong (one
+`error:` line, exit 2, nothing written); the CPU scale is a preset passed to tyro as its default, so that
+--help shows what runs on this machine; the step's named sums are reduced in one call."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import pytest
+import torch
+from helpers import check_one_error_line, cli, run_here, run_trainer
+
+import runtime
+
+# (script, flag, the choices --help must list)
+CHOICES = [
+    ("ppo.py", "--critic", "none,small,medium,large,full"),
+    ("ppo.py", "--kl-mode", "loss,reward"),
+    ("ppo.py", "--lr-schedule", "constant,linear,cosine"),
+    ("ppo.py", "--scale", "auto,study,cpu"),
+    ("ppo.py", "--prompt-format", "chat,plain"),
+    ("ppo.py", "--task", "gsm8k,toy"),
+    ("grpo.py", "--baseline", "mean,loo"),
+    ("grpo.py", "--scale-rewards", "group,none"),
+    ("grpo.py", "--loss-norm", "token,sequence,constant"),
+    ("dpo.py", "--pairs", "self,gold"),
+    ("dpo.py", "--loss", "sigmoid,ipo"),
+]
+
+
+def help_text(script: str, monkeypatch, capsys, gpu: bool = False) -> str:
+    """`python script --help` in this process, on a machine with or without a GPU."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    with pytest.raises(SystemExit) as e:
+        runtime.cli(module.Args, module.Args(**module.CPU_SCALE), ["--help"])
+    assert e.value.code == 0
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().out).split())  # the box's lines joined
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
+def test_help_lists_every_choice_and_the_preset_that_runs_here(script, monkeypatch, capsys):
+    text = help_text(script, monkeypatch, capsys)
+    for s, flag, choices in CHOICES:
+        if s == script or flag in ("--lr-schedule", "--scale", "--prompt-format", "--task"):
+            assert f"{flag} {{{choices}}}" in text, flag
+    module = importlib.import_module(script.removesuffix(".py"))
+    # without a GPU the defaults shown are the CPU preset's; with one, the study's
+    for key, value in module.CPU_SCALE.items():
+        flag = "--" + key.replace("_", "-")
+        shown = re.search(rf"{flag} \S+ .*?\(default: ([^)]*)\)", text)
+        assert shown and shown.group(1) == str(value), (flag, shown and shown.group(1))
+    study = help_text(script, monkeypatch, capsys, gpu=True)
+    assert re.search(rf"--batch-size INT .*?\(default: {module.Args().batch_size}\)", study)
+    assert "completions-per-step" not in text and "optimizer-steps" not in text  # filled at runtime, not flags
+
+
+BAD = {
+    "unknown critic": ("ppo.py", ["--critic", "bogus"], "--critic", "none", "full"),
+    "unknown task": ("ppo.py", ["--task", "bogus"], "--task", "gsm8k", "toy"),
+    "unknown loss norm": ("grpo.py", ["--loss-norm", "mean"], "--loss-norm", "token", "constant"),
+    "unknown pairs": ("dpo.py", ["--pairs", "silver"], "--pairs", "self", "gold"),
+    "malformed number": ("ppo.py", ["--batch-size", "eight"], "--batch-size", "eight", "int"),
+    "the old flag": ("ppo.py", ["--rollouts-per-prompt", "2"], "--rollouts-per-prompt", "Unrecognized", ""),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_flag_is_one_error_line_and_nothing_written(tmp_path, case):
+    script, flags, named, *words = BAD[case]
+    proc = run_trainer(script, cli(tmp_path / "run") + flags, timeout=120)
+    line = check_one_error_line(proc)
+    assert proc.returncode == 2
+    assert named in line and all(w in line for w in words), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_scale_picks_a_preset_and_flags_given_win(monkeypatch):
+    from ppo import CPU_SCALE, Args
+
+    cpu = Args(**CPU_SCALE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args, changed = runtime.cli(Args, cpu, ["--batch-size", "6"])
+    assert (args.batch_size, args.max_new_tokens, changed) == (6, Args().max_new_tokens, [])  # auto on a GPU
+    args, changed = runtime.cli(Args, cpu, ["--scale", "cpu", "--batch-size", "6"])
+    assert args.batch_size == 6 and args.max_new_tokens == CPU_SCALE["max_new_tokens"]
+    assert f"max_new_tokens {Args().max_new_tokens} -> {CPU_SCALE['max_new_tokens']}" in changed
+    assert not any(c.startswith("batch_size") for c in changed)
+    args, _ = runtime.cli(Args, cpu, ["--device", "cpu"])  # auto where --device resolves to the CPU
+    assert args.total_steps == CPU_SCALE["total_steps"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args, changed = runtime.cli(Args, cpu, ["--scale", "study"])
+    assert args == Args(scale="study") and changed == []
+
+
+def test_all_reduce_sums_returns_each_named_sum_as_a_float():
+    sums = {"tokens": torch.tensor(3.0), "count": 2.0, "lengths": torch.tensor(7), "p": torch.tensor(0.1).double()}
+    out = runtime.all_reduce_sums(sums)
+    assert out == {"count": 2.0, "lengths": 7.0, "p": float(torch.tensor(0.1)), "tokens": 3.0}
+    assert all(type(v) is float for v in out.values())
+
+
+# tyro draws its error box with rich: in a terminal or a pipe with box characters and the title in the top border;
+# under pytest's capture (run_here) plain, the title on its own line above a rule of dashes. Both captured verbatim.
+BOXES = {
+    "rich": "╭─ Invalid choice ─────────────────────────────────────────────────────────────╮\n"
+    "│ invalid choice 'bogus' for argument '--task'. Expected one of ('gsm8k',      │\n"
+    "│ 'toy').                                                                      │\n"
+    "│ ──────────────────────────────────────────────────────────────────────────── │\n"
+    "│ For full helptext, run - --help                                              │\n"
+    "╰──────────────────────────────────────────────────────────────────────────────╯\n",
+    "plain": " Invalid choice                                                                 \n"
+    " ------------------------------------------------------------------------------ \n"
+    "  invalid choice 'bogus' for argument '--task'. Expected one of ('gsm8k', 'toy')\n"
+    "  .                                                                             \n"
+    "  ------------------------------------------------------------------------------\n"
+    "  For full helptext, run ppo.py --help                                          \n"
+    "                                                                                \n",
+}
+
+
+@pytest.mark.parametrize("form", list(BOXES))
+def test_tyro_error_box_becomes_its_message(form):
+    assert (
+        runtime._tyro_message(BOXES[form])
+        == "invalid choice 'bogus' for argument '--task'. Expected one of ('gsm8k', 'toy')."
+    )
+
+
+def test_an_unknown_choice_in_process_is_the_same_one_line(tmp_path):
+    """run_here (pytest's capture, tyro's plain box) gives the line a terminal gives: the message, not the help hint."""
+    proc = run_here("ppo.py", cli(tmp_path / "run") + ["--task", "bogus"])
+    assert proc.returncode == 2 and "invalid choice 'bogus' for argument '--task'" in proc.stderr, proc.stderr
+    assert "helptext" not in proc.stderr and not (tmp_path / "run").exists()
