@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import gc
 import hashlib
 import importlib.util
 import io
@@ -65,9 +66,10 @@ def run_main(main: Callable[[], Any]) -> None:
     the path and exit 1; Ctrl-C before the stop signal is installed (start-up) one line and exit 130. The
     run folder's lock is released on every exit, and a run folder this run created and left empty goes."""
     main_rank = int(os.environ.get("RANK", "0")) == 0
-    code = 0
+    code, finished = 0, False
     try:
         main()
+        finished = True
     except RunFinished as e:
         if main_rank:
             print(str(e), flush=True)
@@ -91,9 +93,14 @@ def run_main(main: Callable[[], Any]) -> None:
         code = 1
     finally:
         release_run_lock()
-        # a process group left to the interpreter's teardown can abort in gloo's threads
-        # ("terminate called without an active exception"): close it while everything is alive
+        # a process group left to the interpreter's teardown can abort in gloo's threads ("terminate called
+        # without an active exception", exit -6 after a finished run): every rank that finished waits for the
+        # others, the modules that hold the group (FSDP's mesh, DDP's reducer, in reference cycles) are freed,
+        # and the group is closed while everything is alive
         if dist.is_available() and dist.is_initialized():
+            if finished:
+                dist.barrier()
+            gc.collect()
             dist.destroy_process_group()
     if code:
         sys.exit(code)

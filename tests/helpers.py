@@ -107,8 +107,9 @@ def run_in_process(script: str, args: list[str]) -> None:
 
 def run_here(script: str, args: list[str]) -> subprocess.CompletedProcess:
     """run_trainer in this process: the same exit code, stdout and stderr, without the ~4 s a new Python takes
-    to import torch and transformers. For runs that must succeed; bad input goes through run_trainer, whose
-    fresh process shows every warning a user would see on stderr.
+    to import torch and transformers (most of a tiny run's time). Bad input too: the refusal line is the same;
+    a few refusals (test_validation.py's fresh-process tests, one damaged checkpoint) go through run_trainer,
+    whose fresh process also shows every warning a user would see on stderr, which pytest captures here.
     """
     import runtime
 

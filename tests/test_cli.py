@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from helpers import check_one_error_line, cli, run_here, run_trainer
+from helpers import check_one_error_line, cli, run_here
 
 import runtime
 
@@ -69,7 +69,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_a_bad_flag_is_one_error_line_and_nothing_written(tmp_path, case):
     script, flags, named, *words = BAD[case]
-    proc = run_trainer(script, cli(tmp_path / "run") + flags, timeout=120)
+    proc = run_here(script, cli(tmp_path / "run") + flags)
     line = check_one_error_line(proc)
     assert proc.returncode == 2
     assert named in line and all(w in line for w in words), line

@@ -22,7 +22,6 @@ from helpers import (
     require_gsm8k_dir,
     run_here,
     run_in_process,
-    run_trainer,
     tree_digest,
 )
 
@@ -366,7 +365,7 @@ BAD_INPUT = {
 def test_bad_input_is_one_error_line(tmp_path, case):
     flags, named = BAD_INPUT[case]
     run_dir = tmp_path / "run"
-    line = check_one_error_line(run_trainer("dpo.py", cli(run_dir, DPO_TINY, **flags), timeout=120))
+    line = check_one_error_line(run_here("dpo.py", cli(run_dir, DPO_TINY, **flags)))
     assert named in line
     assert not (run_dir / "results.json").exists() and not (run_dir / runtime.CHECKPOINT).exists()
 
@@ -378,7 +377,7 @@ def test_a_new_run_never_takes_pairs_it_did_not_sample(tmp_path):
     run_dir.mkdir()
     (run_dir / "pairs.jsonl").write_text('{"prompt": 0}\n')
     before = tree_digest(run_dir)
-    line = check_one_error_line(run_trainer("dpo.py", cli(run_dir, DPO_TINY, **MODES["gold offline sigmoid"])))
+    line = check_one_error_line(run_here("dpo.py", cli(run_dir, DPO_TINY, **MODES["gold offline sigmoid"])))
     assert "pairs.jsonl" in line and str(run_dir) in line
     assert tree_digest(run_dir) == before
 

@@ -19,7 +19,6 @@ from helpers import (
     read_metrics,
     run_here,
     run_in_process,
-    run_trainer,
     step_rows,
 )
 
@@ -129,7 +128,7 @@ BAD_INPUT = {
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_error_line(tmp_path, case):
     flags, named = BAD_INPUT[case]
-    line = check_one_error_line(run_trainer("grpo.py", cli(tmp_path / "run", GRPO_TINY, **flags), timeout=120))
+    line = check_one_error_line(run_here("grpo.py", cli(tmp_path / "run", GRPO_TINY, **flags)))
     assert named in line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

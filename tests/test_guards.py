@@ -24,7 +24,6 @@ from helpers import (
     copy_run,
     read_metrics,
     run_here,
-    run_trainer,
     start_trainer,
     step_rows,
     tree_digest,
@@ -248,7 +247,7 @@ def test_metrics_after_the_resumed_step_are_set_aside_not_dropped(finished_run, 
 def test_a_run_dir_that_is_a_file_is_one_error_line(tmp_path):
     path = tmp_path / "run"
     path.write_text("not a folder")
-    line = check_one_error_line(run_trainer("ppo.py", cli(path, **SMALL_RUN), timeout=120))
+    line = check_one_error_line(run_here("ppo.py", cli(path, **SMALL_RUN)))
     assert str(path) in line and "not a folder" in line
     assert path.read_text() == "not a folder"
 

@@ -18,7 +18,6 @@ from helpers import (
     is_finite,
     require_gsm8k_dir,
     run_here,
-    run_trainer,
     step_rows,
 )
 
@@ -130,7 +129,7 @@ BAD_INPUT = {
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_error_line(tmp_path, case):
     flags, named = BAD_INPUT[case]
-    line = check_one_error_line(run_trainer("ppo.py", cli(tmp_path / "run", **flags), timeout=120))
+    line = check_one_error_line(run_here("ppo.py", cli(tmp_path / "run", **flags)))
     assert named in line
 
 
