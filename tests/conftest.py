@@ -11,26 +11,6 @@ sys.path.insert(0, str(ROOT))  # import common, engine, runtime, critics from th
 os.environ.setdefault("GSM8K_DIR", str(ROOT / ".." / "shared" / "data" / "gsm8k"))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Start the smoke sweep in the background as soon as a test that needs it (test_sweep.py's `smoke` fixture)
-    is collected: its trainer processes then run beside the other tests instead of after them."""
-    if any("smoke" in getattr(item, "fixturenames", ()) for item in items):
-        from helpers import SMOKE, SmokeSweep
-
-        try:
-            config.stash[SMOKE] = SmokeSweep()
-        except pytest.skip.Exception:  # no GSM8K folder: the fixture skips, as the other trainer tests do
-            pass
-
-
-def pytest_sessionfinish(session):
-    from helpers import SMOKE
-
-    started = session.config.stash.get(SMOKE, None)
-    if started is not None:
-        started.stop()
-
-
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
     path = Path(os.environ["GSM8K_DIR"])

@@ -12,11 +12,9 @@ import io
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -225,43 +223,3 @@ def copy_run(src: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(src, dst)
     return dst
-
-
-def sweep_env(env: dict | None = None) -> dict[str, str]:
-    """The environment of ./sweep.sh in the tests: the trainers' (trainer_env), with this interpreter as PYTHON."""
-    return {**trainer_env(), "PYTHON": sys.executable, **(env or {})}
-
-
-SMOKE = pytest.StashKey()  # the background smoke sweep in pytest's config.stash, when a collected test reads it
-
-
-class SmokeSweep:
-    """`./sweep.sh --smoke` in the background: conftest.py starts it as soon as a test that reads it is collected,
-    so that its ~2 minutes of trainer processes overlap the tests before test_sweep.py; result() waits for it.
-    The wall time is the sweep's own, from its start to a timestamp it writes when it ends."""
-
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="rlvr-smoke-sweep-"))
-        self.out, stamp = self.root / "smoke", self.root / "finished"
-        self.stdout, self.stderr = open(self.root / "stdout", "w+"), open(self.root / "stderr", "w+")  # noqa: SIM115
-        script = 'bash "$1" --smoke --out "$2"; rc=$?; date +%s.%N > "$3"; exit $rc'
-        self.t0 = time.time()
-        self.proc = subprocess.Popen(
-            ["bash", "-c", script, "smoke", str(REPO / "sweep.sh"), str(self.out), str(stamp)], cwd=REPO,
-            env=sweep_env(), stdout=self.stdout, stderr=self.stderr, text=True, start_new_session=True,
-        )  # fmt: skip
-
-    def result(self, timeout: float = 900) -> tuple[Path, subprocess.CompletedProcess, float]:
-        rc = self.proc.wait(timeout=timeout)
-        stamp = self.root / "finished"
-        seconds = float(stamp.read_text()) - self.t0 if stamp.is_file() else time.time() - self.t0
-        self.stdout.seek(0), self.stderr.seek(0)
-        proc = subprocess.CompletedProcess(self.proc.args, rc, self.stdout.read(), self.stderr.read())
-        return self.out, proc, seconds
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.stdout.close(), self.stderr.close()
-        shutil.rmtree(self.root, ignore_errors=True)

@@ -1,8 +1,7 @@
 """sweep.sh and report.py end to end on the CPU: the smoke sweep and its report, dry runs, bad input, a second
 invocation, an interrupted, a failed and a damaged run on the GPU pool, and SLURM submission (a stand-in sbatch).
 
-The smoke sweep runs once per session (about two minutes on 2 cores), in the background from the moment it is
-collected (conftest.py); the other tests copy what they change.
+The smoke sweep runs once per session (about two minutes on 2 cores); the other tests copy what they change.
 """
 
 from __future__ import annotations
@@ -16,10 +15,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, SMOKE, SmokeSweep, check_ok, check_one_error_line, sweep_env, trainer_env, tree_digest
+from helpers import REPO, check_ok, check_one_error_line, trainer_env, tree_digest
 
 import runtime
 
@@ -35,10 +35,11 @@ PNGS = ["crossover.png", "curves.png", "errors.png"]
 
 def sweep(*args: str | Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """./sweep.sh ARGS from the repository root, with this interpreter as the trainers' python."""
+    env = {**trainer_env(), "PYTHON": sys.executable, **(env or {})}
     return subprocess.run(
         ["bash", str(REPO / "sweep.sh"), *map(str, args)],
         cwd=REPO,
-        env=sweep_env(env),
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -62,10 +63,11 @@ def check_report(report: Path, runs: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def smoke(request) -> tuple[Path, subprocess.CompletedProcess, float]:
-    """The smoke sweep's folder, process and wall time: started by conftest.py at collection, or here."""
-    started = request.config.stash.get(SMOKE, None) or SmokeSweep()
-    out, proc, seconds = started.result()
+def smoke(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
+    out = tmp_path_factory.mktemp("sweep") / "smoke"
+    t0 = time.time()
+    proc = sweep("--smoke", "--out", out)
+    seconds = time.time() - t0
     check_ok(proc)
     return out, proc, seconds
 
