@@ -63,7 +63,7 @@ EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
 def run_main(main: Callable[[], Any]) -> None:
     """Run a trainer's main(): a UserError (a bad flag included: see cli) becomes one line and exit code 2 on every rank; a NonFiniteError
     one line and exit 3; a file-system error (a full disk, a folder that cannot be written) one line naming
-    the path and exit 1; Ctrl-C before the stop signal is installed (start-up) one line and exit 130. The
+    the path and exit 1; a closed stdout (`--help | head`) exit 1 in silence; Ctrl-C before the stop signal is installed (start-up) one line and exit 130. The
     run folder's lock is released on every exit, and a run folder this run created and left empty goes."""
     main_rank = int(os.environ.get("RANK", "0")) == 0
     code, finished = 0, False
@@ -81,6 +81,9 @@ def run_main(main: Callable[[], Any]) -> None:
         if main_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = EXIT_NONFINITE
+    except BrokenPipeError:  # stdout's reader went away (`--help | head`): nothing to say, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
+        code = 1
     except KeyboardInterrupt:
         if main_rank:
             print("error: interrupted (SIGINT) during start-up; nothing was saved", file=sys.stderr, flush=True)

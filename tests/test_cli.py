@@ -133,3 +133,18 @@ def test_an_unknown_choice_in_process_is_the_same_one_line(tmp_path):
     proc = run_here("ppo.py", cli(tmp_path / "run") + ["--task", "bogus"])
     assert proc.returncode == 2 and "invalid choice 'bogus' for argument '--task'" in proc.stderr, proc.stderr
     assert "helptext" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+def test_help_into_a_closed_pipe_is_no_traceback():
+    """`python ppo.py --help | head`: the reader goes away before the help is written; the trainer exits without a
+    traceback (Python's advice for a broken pipe: stdout to devnull, exit 1), as a Unix tool would."""
+    import subprocess
+    import sys
+
+    from helpers import REPO, trainer_env
+
+    proc = subprocess.Popen([sys.executable, "ppo.py", "--help"], cwd=REPO, env=trainer_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc.stdout.close()  # before the interpreter has imported torch: every write of the help fails
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
