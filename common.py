@@ -867,9 +867,8 @@ def monte_carlo(
     mc_state_positions (the prompt, and `states` positions inside); k rollouts from each (mc_values, stream 1 of
     the step's uniforms, indexed by the state's global place); everything gathered over ranks, then baseline_error
     per baseline. Returns {"<name>/<key>": ...} plus states and tokens, and the MC tokens used on all ranks.
+    k is at least 2 (check_measurement refuses less before anything loads).
     """
-    if k < 2:
-        raise runtime.UserError(f"--mc-samples {k} must be at least 2 (the noise correction divides by K - 1)")
     picked = [
         (i, t, w)
         for i, (resp, rid) in enumerate(zip(responses, row_ids))
@@ -913,51 +912,11 @@ def monte_carlo(
     return out, int(tokens[0])
 
 
-def advantage_error(
-    pred: torch.Tensor, target: torch.Tensor, group_ids: torch.Tensor | None = None
-) -> dict[str, float]:
-    """How far pred is from target, with and without its constant offset.  [N], [N], [N] -> dict
-
-    mae, rmse, bias (mean of pred - target) count a constant offset; centred_rmse (the error's std),
-    pearson and explained_variance (1 - Var(target - pred) / Var(target)) do not: the offset is what
-    whitening removes. within_group_rmse removes each group's (prompt's) own mean error first.
-    """
-    pred, target = pred.double().flatten(), target.double().flatten()
-    err = pred - target
-    n = err.numel()
-    out = {
-        "n": float(n),
-        "mae": err.abs().mean().item(),
-        "rmse": err.pow(2).mean().sqrt().item(),
-        "bias": err.mean().item(),
-        "centred_rmse": (err - err.mean()).pow(2).mean().sqrt().item(),
-    }
-    pc, tc = pred - pred.mean(), target - target.mean()
-    denom = (pc.pow(2).sum() * tc.pow(2).sum()).sqrt()
-    out["pearson"] = (pc * tc).sum().div(denom).item() if denom > 0 else float("nan")
-    var_t = tc.pow(2).mean()
-    out["explained_variance"] = (1 - (err - err.mean()).pow(2).mean() / var_t).item() if var_t > 0 else float("nan")
-    if group_ids is not None:
-        g = group_ids.flatten().long()
-        _, g = torch.unique(g, return_inverse=True)
-        k = int(g.max()) + 1
-        sums = torch.zeros(k, dtype=err.dtype).index_add_(0, g, err)
-        counts = torch.zeros(k, dtype=err.dtype).index_add_(0, g, torch.ones_like(err))
-        within = err - (sums / counts)[g]
-        out["within_group_rmse"] = within.pow(2).mean().sqrt().item()
-    return out
-
-
 def explained_variance_masked(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """1 - Var(returns - values) / Var(returns) over mask == 1 on all ranks, as CleanRL logs it.  [B, T] x3 -> float"""
     var_r = masked_var(returns, mask, global_=True)
     var_e = masked_var(returns - values, mask, global_=True)
     return (1 - var_e / var_r).item() if var_r > 0 else float("nan")
-
-
-def mc_noise(p_hat: torch.Tensor, k: int) -> float:
-    """The Monte Carlo target's own variance, unbiased: mean of p(1 - p) / (K - 1) over states.  [N] -> float"""
-    return (p_hat.double() * (1 - p_hat.double()) / (k - 1)).mean().item()
 
 
 # ======================================================================================================

@@ -987,16 +987,6 @@ class StaticEngine:
         )
 
 
-def reserve_generation(
-    model: nn.Module, rows: int, prompt_tokens: int, new_tokens: int, return_hidden: bool = False
-) -> None:
-    """Size the static engine of `model` for the largest generate() call of a run (its evaluation, say), so
-    that it allocates and captures once. Does nothing where generate() would not use the static engine."""
-    lm = runtime.unwrap(model)
-    if next(lm.parameters()).device.type == "cuda" and static_engine_unsupported(lm) is None:
-        StaticEngine.of(lm).reserve(rows, prompt_tokens, new_tokens, return_hidden)
-
-
 # ======================================================================================================
 # Decoding and the training forward: per-token log-probs of given tokens, in micro-batches
 # ======================================================================================================

@@ -9,6 +9,51 @@ import torch
 
 import common
 
+# ------------------------------------------------------------------------------------------------------
+# The instrument before common.baseline_error (report.py's old reading): no trainer uses it now; it stays here
+# as the reference the tests below compare the new instrument with.
+# ------------------------------------------------------------------------------------------------------
+
+
+def advantage_error(
+    pred: torch.Tensor, target: torch.Tensor, group_ids: torch.Tensor | None = None
+) -> dict[str, float]:
+    """How far pred is from target, with and without its constant offset.  [N], [N], [N] -> dict
+
+    mae, rmse, bias (mean of pred - target) count a constant offset; centred_rmse (the error's std),
+    pearson and explained_variance (1 - Var(target - pred) / Var(target)) do not: the offset is what
+    whitening removes. within_group_rmse removes each group's (prompt's) own mean error first.
+    """
+    pred, target = pred.double().flatten(), target.double().flatten()
+    err = pred - target
+    n = err.numel()
+    out = {
+        "n": float(n),
+        "mae": err.abs().mean().item(),
+        "rmse": err.pow(2).mean().sqrt().item(),
+        "bias": err.mean().item(),
+        "centred_rmse": (err - err.mean()).pow(2).mean().sqrt().item(),
+    }
+    pc, tc = pred - pred.mean(), target - target.mean()
+    denom = (pc.pow(2).sum() * tc.pow(2).sum()).sqrt()
+    out["pearson"] = (pc * tc).sum().div(denom).item() if denom > 0 else float("nan")
+    var_t = tc.pow(2).mean()
+    out["explained_variance"] = (1 - (err - err.mean()).pow(2).mean() / var_t).item() if var_t > 0 else float("nan")
+    if group_ids is not None:
+        g = group_ids.flatten().long()
+        _, g = torch.unique(g, return_inverse=True)
+        k = int(g.max()) + 1
+        sums = torch.zeros(k, dtype=err.dtype).index_add_(0, g, err)
+        counts = torch.zeros(k, dtype=err.dtype).index_add_(0, g, torch.ones_like(err))
+        within = err - (sums / counts)[g]
+        out["within_group_rmse"] = within.pow(2).mean().sqrt().item()
+    return out
+
+
+def mc_noise(p_hat: torch.Tensor, k: int) -> float:
+    """The Monte Carlo target's own variance, unbiased: mean of p(1 - p) / (K - 1) over states.  [N] -> float"""
+    return (p_hat.double() * (1 - p_hat.double()) / (k - 1)).mean().item()
+
 
 def _loop_metrics(pred, target, groups=None):
     """Every metric of advantage_error by plain Python."""
@@ -43,7 +88,7 @@ def test_advantage_error_against_loop():
     target = torch.rand(60)
     pred = target + 0.2 * torch.randn(60) - 0.1
     groups = torch.arange(60) // 4 * 7  # non-contiguous group ids
-    got = common.advantage_error(pred, target, groups)
+    got = advantage_error(pred, target, groups)
     expected = _loop_metrics(pred, target, groups)
     assert set(got) == set(expected)
     for key, value in expected.items():
@@ -55,7 +100,7 @@ def test_advantage_error_known_offset_and_noise():
     N, c, s = 400_000, 0.5, 0.3
     target = torch.randn(N, generator=g, dtype=torch.float64)
     pred = target + c + s * torch.randn(N, generator=g, dtype=torch.float64)
-    m = common.advantage_error(pred, target)
+    m = advantage_error(pred, target)
     assert m["bias"] == pytest.approx(c, abs=0.005)
     assert m["centred_rmse"] == pytest.approx(s, rel=0.01)
     assert m["rmse"] == pytest.approx(math.sqrt(c * c + s * s), rel=0.01)
@@ -69,12 +114,12 @@ def test_within_group_rmse_removes_group_offsets():
     groups = torch.arange(4000) // 8  # 500 groups of 8
     target = torch.rand(4000, generator=g, dtype=torch.float64)
     offsets = torch.randn(500, generator=g, dtype=torch.float64)
-    m = common.advantage_error(target + offsets[groups], target, groups)
+    m = advantage_error(target + offsets[groups], target, groups)
     assert m["within_group_rmse"] == pytest.approx(0.0, abs=1e-12)
     assert m["centred_rmse"] > 0.5  # the offsets differ between groups
     # plain noise: removing each group's mean error leaves s^2 (G - 1) / G
     s = 0.2
-    noisy = common.advantage_error(target + s * torch.randn(4000, generator=g, dtype=torch.float64), target, groups)
+    noisy = advantage_error(target + s * torch.randn(4000, generator=g, dtype=torch.float64), target, groups)
     assert noisy["within_group_rmse"] == pytest.approx(s * math.sqrt(7 / 8), rel=0.03)
 
 
@@ -82,7 +127,7 @@ def test_mc_noise():
     p = torch.tensor([0.0, 0.25, 0.5, 1.0, 0.75])
     for k in (2, 4, 16):
         expected = sum(float(v) * (1 - float(v)) / (k - 1) for v in p) / len(p)
-        assert common.mc_noise(p, k) == pytest.approx(expected, rel=1e-12)
+        assert mc_noise(p, k) == pytest.approx(expected, rel=1e-12)
 
 
 def test_mc_noise_is_unbiased():
@@ -92,7 +137,7 @@ def test_mc_noise_is_unbiased():
     true_p = torch.rand(n, generator=g, dtype=torch.float64)
     p_hat = (torch.rand(n, k, generator=g, dtype=torch.float64) < true_p[:, None]).double().mean(-1)
     mse = (p_hat - true_p).pow(2).mean().item()
-    assert common.mc_noise(p_hat, k) == pytest.approx(mse, rel=0.02)
+    assert mc_noise(p_hat, k) == pytest.approx(mse, rel=0.02)
 
 
 def _simulate(p, n, k, g):
@@ -104,8 +149,8 @@ def _simulate(p, n, k, g):
 
 def _old_centred_nc(pred, mc, k):
     """The reading report.py gave before baseline_error: sqrt(max(0, centred RMSE^2 - the full MC noise))."""
-    m = common.advantage_error(pred, mc)
-    return math.sqrt(max(0.0, m["centred_rmse"] ** 2 - common.mc_noise(mc, k)))
+    m = advantage_error(pred, mc)
+    return math.sqrt(max(0.0, m["centred_rmse"] ** 2 - mc_noise(mc, k)))
 
 
 @pytest.mark.parametrize("p", [0.02, 0.2, 0.5])
@@ -161,7 +206,7 @@ def test_within_nmse_of_a_perfect_critic_is_zero_and_of_per_prompt_offsets_too()
     n = prompts * m_states
     groups = torch.arange(n) // m_states
     truth, mc = _simulate(torch.rand(n, generator=g, dtype=torch.float64), n, k, g)
-    old = common.advantage_error(truth, mc, groups)["within_group_rmse"]
+    old = advantage_error(truth, mc, groups)["within_group_rmse"]
     assert old > 0.1
     m = common.baseline_error(truth, mc, k, groups)
     assert m["within_nmse"] == pytest.approx(0.0, abs=0.01)
