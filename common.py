@@ -655,6 +655,7 @@ def mc_values(
     top_p: float,
     penalty: Any = None,
     buckets: int = 2,
+    scores_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """The returns of k fresh rollouts from each state (prompt + response prefix).  -> [N, k], used, generated
 
@@ -663,6 +664,8 @@ def mc_values(
     similar budget, each batch for its largest budget (`generated`: what the engine ran, cut-off tokens too).
     The reward reads the whole completion (prefix + continuation). uniforms: [N * k, >= max_new_tokens].
     penalty(rollout, used_lengths [B]) -> [B]: a shaped part of the return to subtract (PPO's KL in the reward).
+    scores_out: [N, k], filled (when given) with the verifier's scores before the penalty: the 0/1 outcome whose
+    variance is the reward's own (baseline_error's signal_var).
     """
     n = len(prompts)
     budget = [max_new_tokens - len(x) for x in prefixes]  # [N] tokens each state may still write
@@ -693,6 +696,8 @@ def mc_values(
         scores = torch.tensor(
             score(task, texts, ids, [golds[states[r // k]] for r in range(len(rows))]), dtype=torch.float64
         )
+        if scores_out is not None:
+            scores_out[torch.tensor(states)] = scores.view(len(states), k).to(scores_out.dtype)
         if penalty is not None:
             scores = scores - penalty(ro, used).double().cpu()
         returns[torch.tensor(states)] = scores.view(len(states), k)
@@ -708,18 +713,23 @@ def baseline_error(
     groups: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     mc_var: torch.Tensor | None = None,
+    signal_var: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """How wrong a baseline is, on the scale of the reward's own variance, noise-corrected.  [N] x (2-5) -> dict
+    """How wrong a baseline is, on the scale of the reward's own variance, noise-corrected.  [N] x (2-6) -> dict
 
     pred: the baseline b_i at each measured state i; mc: the mean p_i of K fresh returns there (K = k); groups:
     the prompt of each state; weights w_i (default 1; common.mc_state_positions: token weights); mc_var: the
-    unbiased sample variance s_i^2 of the K returns (default, for 0/1 rewards: K/(K-1) p_i (1 - p_i)).
-    With e_i = b_i - p_i, the MC noise of state i, Var(p_i) = s_i^2 / K =: v_i, W = sum w, and sums over i:
+    unbiased sample variance of the K returns (default, for 0/1 rewards: K/(K-1) p_i (1 - p_i)); signal_var: the
+    unbiased sample variance s_i^2 of the K 0/1 scores (default mc_var), which differs from mc_var only when the
+    return holds a shaped part (PPO's --kl-mode reward: the KL ahead is not the reward's own variance).
+    With e_i = b_i - p_i, the MC noise of state i, Var(p_i) = mc_var_i / K =: v_i, W = sum w, and sums over i:
 
       nmse          = (sum w e^2 - sum w v) / sum w s^2
                       the baseline's MSE against the true value, over E[Var(R | s)]: the share by which it
-                      inflates Var(R - b) over a perfect baseline's (0 perfect; 1/(G-1) for a leave-one-out
-                      mean of G rollouts, whatever the success rate). The crossover's x axis.
+                      inflates Var(R - b) over a perfect baseline's (0 perfect). The crossover's x axis. A
+                      leave-one-out mean of G rollouts reads 1/(G-1) at the prompt state whatever the success
+                      rate; at a state inside the completion, where a share d of the outcome's variance is
+                      already resolved, its one constant reads (1/(G-1) + d) / (1 - d) (docs/measurement.md).
       nmse_centred  = (sum w (e - e_bar)^2 - (sum w v - sum w^2 v / W)) / sum w s^2,  e_bar = sum w e / W
                       the same after removing the mean error (what whitening removes); the noise share of a
                       centred MSE is (1 - 1/N) of the noise for equal weights.
@@ -736,8 +746,9 @@ def baseline_error(
     e = (pred.double() - mc.double()).flatten()
     p = mc.double().flatten()
     w = torch.ones_like(e) if weights is None else weights.double().flatten()
-    s2 = p * (1 - p) * k / (k - 1) if mc_var is None else mc_var.double().flatten()  # [N] Var(R | s), unbiased
-    v = s2 / k  # [N] Var(p_hat)
+    var = p * (1 - p) * k / (k - 1) if mc_var is None else mc_var.double().flatten()  # [N] Var(return | s)
+    v = var / k  # [N] Var(p_hat)
+    s2 = var if signal_var is None else signal_var.double().flatten()  # [N] Var(R | s) of the 0/1 score, unbiased
     W = w.sum()
     sum_e, sum_e2, sum_v, sum_w2v, sum_s2 = (
         (w * e).sum(),
@@ -775,6 +786,42 @@ def baseline_error(
     else:
         out["groups"], out["signal_groups"] = float(e.numel()), float(mixed.sum())
     out.update(baseline_error_ratios(out))
+    return out
+
+
+# The states baseline_error_by_state scores apart from all of them: "" (every state, token-weighted), "_prompt"
+# (t = 0: what GRPO's group mean estimates) and "_inside" (t > 0, token-weighted). metrics.jsonl: mc/<name><part>/<key>.
+STATE_PARTS = ("", "_prompt", "_inside")
+
+
+def baseline_error_by_state(
+    pred: torch.Tensor,
+    mc: torch.Tensor,
+    k: int,
+    t: torch.Tensor,
+    groups: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    mc_var: torch.Tensor | None = None,
+    signal_var: torch.Tensor | None = None,
+) -> dict[str, dict[str, float]]:
+    """baseline_error over every state, over the prompt states (t = 0) and over the states inside (t > 0), keyed by
+    STATE_PARTS.  [N] x (4-8) -> {part: dict}; a part with no state is left out.
+
+    Why apart: GRPO's baseline is one constant per completion, a Monte Carlo estimate of the prompt's value. At the
+    prompt its leave-one-out mean of G reads nmse = 1/(G-1) whatever p: noise. Inside, it cannot follow V(s_t):
+    with d the share of the outcome's variance resolved by s_t, it reads (1/(G-1) + d) / (1 - d): a baseline that
+    does not track the value, not a noisier one. A critic is "less noisy" than the group at the prompt, and
+    "tracks the value better" inside."""
+    t = t.flatten()
+    out = {}
+    for part, keep in (("", None), ("_prompt", t == 0), ("_inside", t > 0)):
+        if keep is not None and not bool(keep.any()):
+            continue
+        xs = [
+            x if x is None or keep is None else x.flatten()[keep]
+            for x in (pred, mc, groups, weights, mc_var, signal_var)
+        ]
+        out[part] = baseline_error(xs[0], xs[1], k, *xs[2:])
     return out
 
 
@@ -866,7 +913,9 @@ def monte_carlo(
     each completion (PPO: its critic's V(s_t); GRPO: the group's mean at every t). Per completion the states of
     mc_state_positions (the prompt, and `states` positions inside); k rollouts from each (mc_values, stream 1 of
     the step's uniforms, indexed by the state's global place); everything gathered over ranks, then baseline_error
-    per baseline. Returns {"<name>/<key>": ...} plus states and tokens, and the MC tokens used on all ranks.
+    per baseline, over every state and over the prompt states and the states inside apart (baseline_error_by_state;
+    nmse's denominator and signal_fraction from the 0/1 scores, before any penalty). Returns {"<name><part>/<key>":
+    ...} (part: STATE_PARTS) plus states and tokens, and the MC tokens used on all ranks.
     k is at least 2 (check_measurement refuses less before anything loads).
     """
     picked = [
@@ -880,6 +929,7 @@ def monte_carlo(
     u = engine.step_uniforms(seed, step, 1, total * k, max_new_tokens, torch.device("cpu"))[
         first * k : (first + len(picked)) * k
     ]
+    scores = torch.zeros(len(picked), k, dtype=torch.float64)  # [S, k] the 0/1 scores, before any penalty
     returns, used, generated = mc_values(
         model,
         tokenizer,
@@ -893,20 +943,25 @@ def monte_carlo(
         temperature=temperature,
         top_p=top_p,
         penalty=penalty,
+        scores_out=scores,
     )
     i_idx, t_idx = torch.tensor([i for i, _, _ in picked]), torch.tensor([t for _, t, _ in picked])
     local = {
         "mc": returns.mean(-1),
         "var": returns.var(-1, unbiased=True),
+        "signal_var": scores.var(-1, unbiased=True),  # the reward's own variance: the 0/1 score's, without the KL
+        "t": t_idx,
         "w": torch.tensor([w for _, _, w in picked], dtype=torch.float64),
         "group": torch.tensor([int(groups[i]) for i, _, _ in picked]),
         **{f"b/{name}": b.detach().double().cpu()[i_idx, t_idx] for name, b in baselines.items()},
     }
     cat = {key: torch.cat([g[key] for g in runtime.all_gather_objects(local)]) for key in local}
     out: dict[str, float] = {}
-    for name in baselines:
-        err = baseline_error(cat[f"b/{name}"], cat["mc"], k, cat["group"], cat["w"], cat["var"])
-        out.update({f"{name}/{key}": v for key, v in err.items()})
+    for name in baselines:  # every state, then the prompt states and the states inside apart (STATE_PARTS)
+        parts = baseline_error_by_state(
+            cat[f"b/{name}"], cat["mc"], k, cat["t"], cat["group"], cat["w"], cat["var"], cat["signal_var"]
+        )
+        out.update({f"{name}{part}/{key}": v for part, err in parts.items() for key, v in err.items()})
     tokens = runtime.all_reduce_sum(torch.tensor([float(used), float(generated)], dtype=torch.float64)).tolist()
     out["states"], out["tokens"], out["tokens_generated"] = float(total), tokens[0], tokens[1]
     return out, int(tokens[0])
@@ -962,7 +1017,8 @@ def mean_interval(values: Sequence[float], z: float | None = None) -> tuple[floa
     z overrides the quantile.
 
     One number has no spread to estimate: its interval is (nan, nan), not a zero-width interval that would
-    look certain. No numbers: all three are nan.
+    look certain; so are numbers that all agree (three seeds at 0% accuracy): they say the spread is small, not
+    that it is zero, and the interval needs more of them. No numbers: all three are nan.
     """
     n = len(values)
     if n == 0:
@@ -971,6 +1027,8 @@ def mean_interval(values: Sequence[float], z: float | None = None) -> tuple[floa
     if n < 2:
         return m, math.nan, math.nan
     sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    if sd == 0:
+        return m, math.nan, math.nan
     q = t_quantile(0.975, n - 1) if z is None else z
     return m, m - q * sd / math.sqrt(n), m + q * sd / math.sqrt(n)
 
@@ -980,6 +1038,53 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, fl
     if len(a) != len(b):
         raise ValueError(f"paired_difference needs equal lengths, got {len(a)} and {len(b)}")
     return mean_interval([float(x) - float(y) for x, y in zip(a, b)])
+
+
+def paired_seed_difference(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> tuple[float, float, float]:
+    """The difference in accuracy of two methods on the same test problems over seeds, and its 95% interval.
+    a[s][i], b[s][i]: seed s's 0/1 result on test problem i (the same n problems for every seed) -> mean, lo, hi
+
+    Seeds differ by more than problem-level noise (a run-level effect: one seed's policy is simply better), so the
+    interval is the t interval over the per-seed paired differences d_s = mean_i (a[s][i] - b[s][i]), with S - 1
+    degrees of freedom (t = 4.30 for 3 seeds: wide, and honest). Pooling the problems of all seeds into one paired
+    t interval ignores that variance (in simulation its 95% interval covered 44-73%).
+    One seed: its problems' paired t interval (common.paired_difference), which knows nothing of other seeds.
+    Seeds (or, with one seed, problems) that all agree give (mean, nan, nan): no interval rather than a certain one.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_seed_difference needs the same seeds, at least one, got {len(a)} and {len(b)}")
+    n = {len(x) for x in (*a, *b)}
+    if len(n) != 1 or n == {0}:
+        raise ValueError(f"paired_seed_difference needs the same test problems in every seed, got sizes {sorted(n)}")
+    if len(a) == 1:
+        return paired_difference(a[0], b[0])
+    return mean_interval([sum(float(x) - float(y) for x, y in zip(xs, ys)) / len(xs) for xs, ys in zip(a, b)])
+
+
+def ratio_interval(nums: Sequence[float], dens: Sequence[float]) -> tuple[float, float, float]:
+    """A pooled ratio sum(nums) / sum(dens) and its 95% interval, with clusters (seeds) as the units.  [S], [S] -> 3
+
+    The linearised (delta-method) interval of a ratio estimator: R = sum N / sum D, residuals z_s = (N_s - R D_s)
+    / mean(D), R +- t(0.975, S - 1) sd(z) / sqrt(S). Centred on the pooled value that the report prints (a t
+    interval over per-seed ratios is centred on their mean, not on it) and carrying the clusters' variance:
+    with one cluster per seed, the seed-to-seed variance (tests/test_stats.py: coverage near 95% with a run-level
+    effect and skewed per-seed ratios, where the t interval over per-seed ratios under-covers). Fewer than two
+    clusters, a non-positive denominator or residuals that all agree: (R, nan, nan).
+    """
+    if len(nums) != len(dens):
+        raise ValueError(f"ratio_interval needs as many numerators as denominators, got {len(nums)}, {len(dens)}")
+    S, num, den = len(nums), float(sum(nums)), float(sum(dens))
+    if S == 0 or den <= 0:
+        return math.nan, math.nan, math.nan
+    r = num / den
+    if S < 2:
+        return r, math.nan, math.nan
+    z = [(float(n) - r * float(d)) / (den / S) for n, d in zip(nums, dens)]  # [S], mean 0
+    sd = math.sqrt(sum(x * x for x in z) / (S - 1))
+    if sd == 0:
+        return r, math.nan, math.nan
+    half = t_quantile(0.975, S - 1) * sd / math.sqrt(S)
+    return r, r - half, r + half
 
 
 @torch.no_grad()

@@ -248,8 +248,8 @@ def watched_run(name: str, run_dir) -> dict:
         )
         return returns, used, generated
 
-    def baseline_error(pred, mc, k, groups=None, weights=None, mc_var=None):
-        out = real["baseline_error"](pred, mc, k, groups, weights, mc_var)
+    def baseline_error(pred, mc, k, groups=None, weights=None, mc_var=None, signal_var=None):
+        out = real["baseline_error"](pred, mc, k, groups, weights, mc_var, signal_var)
         rec["baseline_error"].append(dict(pred=pred, mc=mc, k=k, group=groups, weights=weights, out=out))
         return out
 
@@ -397,7 +397,12 @@ def test_the_baseline_is_measured_against_k_fresh_rollouts(watched, name):
     # no state writes past the completion's budget: T - t tokens from a state t tokens in
     assert mc["used"] <= sum(MC_SAMPLES * (MAX_NEW - len(x)) for x in mc["prefixes"])
 
-    group, loo = rec["baseline_error"]  # in the order of common.monte_carlo's baselines
+    # in the order of common.monte_carlo's baselines, each over every state, then its prompt states and inside ones
+    assert len(rec["baseline_error"]) == 2 * len(common.STATE_PARTS)
+    group, loo = rec["baseline_error"][:: len(common.STATE_PARTS)]
+    for name, i in (("group", 1), ("loo", 1 + len(common.STATE_PARTS))):
+        prompt_states = rec["baseline_error"][i]
+        assert prompt_states["out"]["n"] == MC_PROMPTS and rec["rows"][0][f"mc/{name}_prompt/n"] == MC_PROMPTS
     for report, base in ((group, "mean"), (loo, "loo")):
         assert report["k"] == MC_SAMPLES
         expected = [HAND_BASELINES[base][j * G] for j, ts in enumerate(per_completion) for _ in ts]
