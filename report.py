@@ -54,7 +54,7 @@ ERROR_COLUMNS = [
 NEW_COLUMNS = {
     "nmse": "baseline error (nmse, nmse_centred, within_nmse, ...)",
     "paired": "paired difference vs GRPO",
-    "train_flops": "train FLOPs estimate",
+    "update_flops": "update FLOPs estimate",
 }
 
 DEFINITIONS = """\
@@ -63,12 +63,19 @@ How to read it (the definitions, with formulas: docs/measurement.md):
   Wilson 95% interval. Several seeds: the mean over seeds with a t interval, mean +- t(0.975, n - 1) sd / sqrt(n)
   (t = 4.30 for 3 seeds; common.mean_interval); the spread (sd over seeds) is shown too.
 - **vs GRPO**: the paired difference in test accuracy from GRPO's group-mean run of the same experiment, on the
-  same test problems: per problem the mean over the seeds both have, then the mean over problems with its 95% t
-  interval (per-problem correctness is in each run's results.json).
+  same test problems (per-problem correctness is in each run's results.json): per seed the mean over problems of
+  the difference, then the mean over the seeds both have with the t interval over those per-seed differences
+  (common.paired_seed_difference: it carries the seed-to-seed variance; t = 4.30 for 3 seeds, so wide). One seed:
+  the paired t interval over its problems, which says nothing about another seed.
+- **[n/a]**: no interval: one unit, or units (seeds) that agree exactly. An interval of zero width would read as
+  certain; agreeing seeds say that the spread is small, and the interval needs more seeds.
 - **generated tokens**: tokens of training rollouts only, the compute that the head-to-head matches. Monte Carlo
   measurement tokens never train and are counted apart (mc_tokens in the CSV), as are evaluation tokens.
-  **train FLOPs** ~ 6 x trained tokens x trainable parameters (policy + critic: a full critic doubles the trunk);
-  **wall time**: the run's own clock. Matched compute is read three ways: tokens (the budget), FLOPs, time.
+  **update FLOPs** ~ 6 x trained completion tokens (x epochs) x trainable parameters (policy + critic: a full
+  critic doubles the trunk): the gradient updates only; prompt tokens, generation, the reference and old-policy
+  forwards and the MC measurement are not counted. **wall time**: the run's own clock, everything in it;
+  **train time**: wall time less the MC measurement (mc/seconds) and the evaluations (val/seconds, the test's
+  seconds), what the method itself spent. Matched compute is read three ways: tokens (the budget), FLOPs, time.
 - **matched compute (h2h)**: for each seed, grpo.py runs first for the scale's steps; its generated tokens are the
   budget. Every PPO critic and online DPO then run with `--token-budget` = that budget (and a step cap 10x GRPO's
   steps, so that the budget ends them); a run stops after the step that reaches the budget, so it can overshoot by
@@ -76,13 +83,21 @@ How to read it (the definitions, with formulas: docs/measurement.md):
   model, then trains for GRPO's number of steps.
 - **baseline error** (common.baseline_error, against K fresh rollouts from the prompt and from states drawn
   uniformly inside each measured completion, token-weighted): **nmse** = the baseline's noise-corrected MSE
-  against the true value over the reward's own variance there, E[p(1-p)]: the share by which the baseline inflates
-  Var(R - b) over a perfect baseline's (0 perfect; 1/(G-1) = 0.14 at G = 8 for GRPO's group, whatever the success
-  rate). **nmse centred**: the same after removing the mean error (what whitening removes). **within**: after
-  removing each prompt's mean error. **signal**: the share of measured prompts whose K returns differ (where a
-  baseline matters at all). Pooled as sums over a run's measurements after the first (the untrained critic) and
-  over seeds, never averaged as roots; the interval is the t interval of the per-seed values. GRPO's row is its
-  leave-one-out mean (its effective baseline); its group mean including the completion's own reward reads ~1/G.
+  against the true value over the reward's own variance there, E[p(1-p)] of the 0/1 score: the share by which
+  the baseline inflates Var(R - b) over a perfect baseline's (0 perfect; below 0 only by the noise correction).
+  **nmse at prompt**: the same at the prompt states only, where GRPO's leave-one-out mean of G reads 1/(G-1)
+  (0.14 at G = 8) whatever the success rate; at states inside a completion its one constant cannot follow V(s_t)
+  and reads (1/(G-1) + d)/(1 - d), d the share of the outcome's variance already resolved (docs/measurement.md):
+  at the prompt a critic is compared for noise, inside for tracking the value. **nmse centred**: the same after
+  removing the mean error (what whitening removes). **within**: after removing each prompt's mean error.
+  **signal**: the share of measured prompts whose K scores differ (where a baseline matters at all). Pooled as
+  sums over a run's measurements after the first (the untrained critic) and over seeds, never averaged as roots
+  or ratios; the interval [95%] is centred on that pooled value: common.ratio_interval with the seeds as units
+  (it carries their variance; one seed: its measurements as units). With 3 seeds it covered 95% in simulation
+  with a moderate seed effect (tests/test_stats.py) and less (~86%) when the critic's error differs between
+  seeds by a factor of e (a skewed seed effect): read it as approximate. GRPO's row is its leave-one-out mean
+  (its effective baseline); its group mean including the completion's own reward reads ~1/G (runs.csv
+  nmse_group_mean, pooled as the rest).
 """
 
 
@@ -122,21 +137,49 @@ def measurement_sums(row: dict[str, Any], name: str) -> dict[str, float]:
 
 def mc_summary(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
     """The run's baseline error: its MC measurements after the first (the untrained critic) pooled as sums
-    (common.pool_baseline_errors). "sums" carries them on, so that seeds pool again; "old_format" marks a run
+    (common.pool_baseline_errors). "sums" carries them on, so that seeds pool again, and "per_measurement" each
+    measurement's (the units of a one-seed interval); "prompt_sums" the same at the prompt states only (nmse_prompt:
+    where GRPO's leave-one-out mean reads 1/(G-1); runs measured before it leave it empty), and for GRPO
+    "group_sums", its group mean with the completion's own reward in it (nmse_group_mean). "old_format" marks a run
     measured before baseline_error (mc/value/centred_rmse and no sums): its columns stay empty."""
     name = MC_BASELINE.get(method, "value")
     meas = [r for r in rows if finite(r.get(f"mc/{name}/sum_signal_var"))]
     if len(meas) > 1:
         meas = meas[1:]
-    pooled = common.pool_baseline_errors([measurement_sums(r, name) for r in meas])
+    per_measurement = [measurement_sums(r, name) for r in meas]
+    pooled = common.pool_baseline_errors(per_measurement)
     out: dict[str, Any] = {key: pooled.get(key, float("nan")) for key in ERROR_COLUMNS}
     out["sums"] = {k: v for k, v in pooled.items() if k in common.POOLED_SUMS}
+    out["per_measurement"] = per_measurement
+    prompt = [measurement_sums(r, f"{name}_prompt") for r in meas]
+    prompt = [m for m in prompt if m] if all(prompt) else []  # every measurement has it, or none counts
+    out["prompt_per_measurement"] = prompt
+    out["prompt_sums"] = {k: v for k, v in common.pool_baseline_errors(prompt).items() if k in common.POOLED_SUMS}
+    out["nmse_prompt"] = common.pool_baseline_errors(prompt).get("nmse", float("nan"))
     out["measurements"] = float(len(meas))
     out["old_format"] = not meas and any(finite(r.get("mc/value/centred_rmse")) for r in rows)
     if method == "grpo":  # the group mean with the completion's own reward in it, for comparison
-        group = common.pool_baseline_errors([measurement_sums(r, "group") for r in meas])
-        out["nmse_group_mean"] = group.get("nmse", float("nan"))
+        out["group_sums"] = common.pool_baseline_errors([measurement_sums(r, "group") for r in meas])
+        out["nmse_group_mean"] = out["group_sums"].get("nmse", float("nan"))
     return out
+
+
+def nmse_interval(rs: list[dict[str, Any]], key: str = "nmse") -> tuple[float, float, float, str]:
+    """A pooled baseline-error ratio of the runs rs (seeds of one method-variant) and its 95% interval, centred on
+    it: common.ratio_interval with the seeds as units (it carries their variance), or, with one seed, its
+    measurements as units (what that run's critic did, nothing about other seeds). -> value, lo, hi, units."""
+    num_key = {"nmse": "sum_sq_err_nc", "nmse_centred": "sum_centred_sq_nc", "nmse_prompt": "sum_sq_err_nc"}[key]
+    part = "prompt_" if key == "nmse_prompt" else ""
+    if len(rs) > 1:
+        units, label = [r["mc"][f"{part}sums"] for r in rs], "seeds"
+    else:
+        units, label = rs[0]["mc"][f"{part}per_measurement"], "measurements, 1 seed"
+    units = [u for u in units if u and num_key in u and "sum_signal_var" in u]
+    if len(units) < len(rs):  # a seed without this measurement: no pooled value
+        return float("nan"), float("nan"), float("nan"), label
+    _, lo, hi = common.ratio_interval([u[num_key] for u in units], [u["sum_signal_var"] for u in units])
+    pooled = common.pool_baseline_errors([r["mc"][f"{part}sums"] for r in rs]).get(key.removesuffix("_prompt"))
+    return (pooled if finite(pooled) else float("nan")), lo, hi, label
 
 
 def curve(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -185,6 +228,9 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
     trained = res.get("trained_tokens")
     flops = 6.0 * trained * (params + int(res.get("critic_params", 0))) if finite(params) and finite(trained) else None
     step_times = [r["time/step"] for r in rows if finite(r.get("time/step"))]
+    wall = float(res.get("wall_time_s", float("nan")))
+    test_s = float(test.get("seconds", 0.0)) if isinstance(test, dict) and finite(test.get("seconds")) else 0.0
+    not_training = sum(r[k] for r in rows for k in ("mc/seconds", "val/seconds") if finite(r.get(k))) + test_s
     return {
         "experiment": experiment,
         "run": f"{method}-{variant}",
@@ -202,9 +248,10 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "token_budget": int(args.get("token_budget") or 0),
         "mc_tokens": int(res.get("mc_tokens", 0)),
         "eval_tokens": int(res.get("eval_tokens", 0)),
-        "wall_time_s": float(res.get("wall_time_s", float("nan"))),
+        "wall_time_s": wall,
+        "train_time_s": wall - not_training,  # without the MC measurement and the evaluations (val and test)
         "critic_params": int(res.get("critic_params", 0)),
-        "train_flops": float(flops) if flops is not None else float("nan"),
+        "update_flops": float(flops) if flops is not None else float("nan"),
         "correct": [float(c) for c in correct] if isinstance(correct, list) else None,
         "device": str(res.get("device", "")),
         "model": str(args.get("model", "")),
@@ -279,9 +326,10 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (experiment, run), rs in sorted(groups.items(), key=lambda kv: sort_key(*kv[0])):
         rs = sorted(rs, key=lambda r: r["seed"])
         accs = [r["test_accuracy"] for r in rs]
-        m, lo, hi = common.mean_interval(accs)
+        m, lo, hi = common.mean_interval(accs)  # seeds that agree: no interval (nan), never a zero-width one
+        kind = "over seeds" if finite(lo) else "seeds agree: needs more seeds"
         if len(rs) == 1:  # one seed: the run's own (Wilson) interval
-            lo, hi = rs[0]["test_ci_low"], rs[0]["test_ci_high"]
+            lo, hi, kind = rs[0]["test_ci_low"], rs[0]["test_ci_high"], "wilson"
         sd = math.sqrt(sum((a - m) ** 2 for a in accs) / (len(accs) - 1)) if len(accs) > 1 else float("nan")
         budgets = [r["token_budget"] for r in rs if r["token_budget"]]
         row = {
@@ -294,7 +342,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "test_accuracy": m,
             "interval_low": lo,
             "interval_high": hi,
-            "interval": "wilson" if len(rs) == 1 else "over seeds",
+            "interval": kind,
             "sd_over_seeds": sd,
             "min": min(accs),
             "max": max(accs),
@@ -305,27 +353,30 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tokens_vs_budget": mean([r["generated_tokens"] / r["token_budget"] for r in rs if r["token_budget"]]),
             "mc_tokens": mean([r["mc_tokens"] for r in rs]),
             "wall_time_s": mean([r["wall_time_s"] for r in rs]),
+            "train_time_s": mean([r["train_time_s"] for r in rs]),
             "critic_params": rs[0]["critic_params"],
         }
-        row["train_flops"] = mean([r["train_flops"] for r in rs])
+        row["update_flops"] = mean([r["update_flops"] for r in rs])
         pooled = common.pool_baseline_errors([r["mc"]["sums"] for r in rs])  # sums over seeds, then the ratios
         for key in ERROR_COLUMNS:
             row[key] = pooled.get(key, float("nan"))
-        for key in ("nmse", "nmse_centred"):
-            _, lo, hi = common.mean_interval([r["mc"][key] for r in rs if finite(r["mc"][key])] or [float("nan")])
-            row[f"{key}_seed_low"], row[f"{key}_seed_high"] = lo, hi
-        row["nmse_group_mean"] = mean([r["mc"].get("nmse_group_mean", float("nan")) for r in rs])
-        d, lo, hi, n_items = paired[(experiment, run)] if (experiment, run) in paired else (float("nan"),) * 4
-        row.update(vs_grpo=d, vs_grpo_low=lo, vs_grpo_high=hi, vs_grpo_problems=n_items)
+        for key in ("nmse", "nmse_centred", "nmse_prompt"):  # centred on the pooled value printed
+            x, lo, hi, units = nmse_interval(rs, key)
+            row[key], row[f"{key}_low"], row[f"{key}_high"] = x, lo, hi
+        row["nmse_interval"] = units
+        group = common.pool_baseline_errors([r["mc"].get("group_sums") or {} for r in rs])  # pooled as the rest
+        row["nmse_group_mean"] = group.get("nmse", float("nan"))
+        d, lo, hi, n_items, n_seeds = paired.get((experiment, run), (float("nan"),) * 5)
+        row.update(vs_grpo=d, vs_grpo_low=lo, vs_grpo_high=hi, vs_grpo_problems=n_items, vs_grpo_seeds=n_seeds)
         rows.append(row)
     return rows
 
 
-def paired_vs_grpo(runs: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[float, float, float, float]]:
-    """(experiment, run) -> the paired difference in test accuracy from that experiment's GRPO group-mean run:
-    per test problem the mean over the seeds both have of (correct - GRPO's correct), then the mean over problems
-    and its 95% t interval (common.paired_difference), and the number of problems. Needs per-problem correctness
-    (results.json's test.correct) of the same problems in both."""
+def paired_vs_grpo(runs: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[float, float, float, float, float]]:
+    """(experiment, run) -> the paired difference in test accuracy from that experiment's GRPO group-mean run over
+    the seeds both have: common.paired_seed_difference (the t interval over the per-seed paired differences, which
+    carries the seed-to-seed variance; one seed: its problems' paired interval), the number of problems and of
+    seeds. Needs per-problem correctness (results.json's test.correct) of the same problems in both."""
     out = {}
     for experiment in {r["experiment"] for r in runs}:
         ref = {r["seed"]: r["correct"] for r in runs if r["experiment"] == experiment and r["run"] == "grpo-group"}
@@ -343,10 +394,8 @@ def paired_vs_grpo(runs: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[fl
             ]
             if not pairs or len({len(a) for a, _ in pairs}) != 1:
                 continue
-            n = len(pairs[0][0])
-            a = [sum(p[0][j] for p in pairs) / len(pairs) for j in range(n)]
-            b = [sum(p[1][j] for p in pairs) / len(pairs) for j in range(n)]
-            out[(experiment, run)] = (*common.paired_difference(a, b), float(n))
+            a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+            out[(experiment, run)] = (*common.paired_seed_difference(a, b), float(len(a[0])), float(len(pairs)))
     return out
 
 
@@ -359,10 +408,18 @@ def fmt_num(x: float, digits: int = 3) -> str:
 
 
 def fmt_signed_interval(m: float, lo: float, hi: float) -> str:
-    """A difference in percentage points with its interval: '+1.2 [-0.3, +2.7]'."""
+    """A difference in percentage points with its interval: '+1.2 [-0.3, +2.7]'; '+0.0 [n/a]' where there is none
+    (one unit, or units that agree exactly: an interval of zero width would read as certain)."""
     if not finite(m):
         return "-"
-    return f"{100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]" if finite(lo) else f"{100 * m:+.1f}"
+    return f"{100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]" if finite(lo) else f"{100 * m:+.1f} [n/a]"
+
+
+def fmt_interval(x: float, lo: float, hi: float, digits: int = 3) -> str:
+    """A value with its interval, '0.120 [0.080, 0.160]'; '0.120 [n/a]' where the interval is undefined."""
+    if not finite(x):
+        return "-"
+    return f"{x:.{digits}f} " + (f"[{lo:.{digits}f}, {hi:.{digits}f}]" if finite(lo) and finite(hi) else "[n/a]")
 
 
 def fmt_tokens(x: float) -> str:
@@ -395,11 +452,13 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "steps",
         "gen. tokens",
         "vs budget",
-        "train FLOPs",
+        "update FLOPs",
         "wall time",
+        "train time",
         "critic params",
         "vs GRPO (paired) %",
-        "nmse [seeds]",
+        "nmse [95%]",
+        "nmse at prompt",
         "nmse centred",
         "within",
         "bias",
@@ -412,21 +471,20 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             r["run"],
             str(r["seeds"]),
             fmt_pct(r["test_accuracy"]),
-            f"[{fmt_pct(r['interval_low'])}, {fmt_pct(r['interval_high'])}]",
+            f"[{fmt_pct(r['interval_low'])}, {fmt_pct(r['interval_high'])}]"
+            if finite(r["interval_low"])
+            else f"n/a ({r['interval']})",
             fmt_pct(r["sd_over_seeds"]),
             f"{r['steps']:.0f}",
             fmt_tokens(r["generated_tokens"]),
             fmt_num(r["tokens_vs_budget"], 2),
-            fmt_tokens(r["train_flops"]),
+            fmt_tokens(r["update_flops"]),
             fmt_time(r["wall_time_s"]),
+            fmt_time(r["train_time_s"]),
             f"{r['critic_params']:,}",
             fmt_signed_interval(r["vs_grpo"], r["vs_grpo_low"], r["vs_grpo_high"]),
-            fmt_num(r["nmse"])
-            + (
-                f" [{fmt_num(r['nmse_seed_low'])}, {fmt_num(r['nmse_seed_high'])}]"
-                if finite(r["nmse_seed_low"])
-                else ""
-            ),
+            fmt_interval(r["nmse"], r["nmse_low"], r["nmse_high"]),
+            fmt_num(r["nmse_prompt"]),
             fmt_num(r["nmse_centred"]),
             fmt_num(r["within_nmse"]),
             fmt_num(r["bias"]),
@@ -461,13 +519,15 @@ RUN_COLUMNS = [
     "mc_tokens",
     "eval_tokens",
     "wall_time_s",
+    "train_time_s",
     "critic_params",
-    "train_flops",
+    "update_flops",
     "device",
     "model",
     "scale",
     "task",
     *ERROR_COLUMNS,
+    "nmse_prompt",
     "nmse_group_mean",
     "measurements",
 ]
@@ -506,16 +566,14 @@ def seed_stats(values: list[float]) -> tuple[float, float]:
     if not values:
         return float("nan"), 0.0
     m, lo, hi = common.mean_interval(values)
-    return m, (hi - lo) / 2 if len(values) > 1 else 0.0
+    return m, (hi - lo) / 2 if finite(lo) else 0.0  # one seed, or seeds that agree: no bar
 
 
 def pooled_over_seeds(rs: list[dict[str, Any]], key: str) -> tuple[float, float]:
-    """A baseline-error ratio pooled over the seeds' sums, and the half-width of the t interval of the per-seed
-    values (0 for one seed)."""
-    x = common.pool_baseline_errors([r["mc"]["sums"] for r in rs]).get(key, float("nan"))
-    per_seed = [r["mc"][key] for r in rs if finite(r["mc"][key])]
-    _, lo, hi = common.mean_interval(per_seed) if len(per_seed) > 1 else (0.0, 0.0, 0.0)
-    return x, (hi - lo) / 2
+    """A baseline-error ratio pooled over the seeds' sums, and the half-width of its interval (nmse_interval,
+    centred on it; 0 where there is none)."""
+    x, lo, hi, _ = nmse_interval(rs, key)
+    return x, (hi - lo) / 2 if finite(lo) else 0.0
 
 
 def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
@@ -534,7 +592,7 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
         by_run: dict[str, list[dict[str, Any]]] = {}
         for r in ppo:
             by_run.setdefault(r["run"], []).append(r)
-        right = 0.0
+        left, right = 0.0, 0.0
         for run, rs in sorted(by_run.items(), key=lambda kv: sort_key(source, kv[0])):
             x, xerr = pooled_over_seeds(rs, key)
             y, yerr = seed_stats([r["test_accuracy"] for r in rs])
@@ -542,7 +600,7 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
                 yerr = (rs[0]["test_ci_high"] - rs[0]["test_ci_low"]) / 2
             if not finite(x):
                 continue
-            right = max(right, x + xerr)
+            left, right = min(left, x - xerr), max(right, x + xerr)
             label = f"PPO, critic {run.removeprefix('ppo-')}"
             ax.errorbar(x, 100 * y, xerr=xerr, yerr=100 * yerr, fmt="o", color=colour(run), capsize=3, label=label)
         g = grpo[0]["args"].get("group_size") if grpo else None
@@ -552,19 +610,31 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
             if len(grpo) == 1:
                 yerr = (grpo[0]["test_ci_high"] - grpo[0]["test_ci_low"]) / 2
             if finite(x):
-                right = max(right, x + xerr)
+                left, right = min(left, x - xerr), max(right, x + xerr)
                 if xerr > 0:
                     ax.axvspan(x - xerr, x + xerr, color=colour("grpo-group"), alpha=0.12, lw=0)
-                label = f"GRPO, group of G={g or '?'}, measured (leave-one-out)"
+                label = f"GRPO, group of G={g or '?'}, measured (leave-one-out), token-weighted states"
                 ax.errorbar(
                     x, 100 * y, xerr=xerr, yerr=100 * yerr, fmt="*", ms=12, color=colour("grpo-group"), capsize=3,
                     label=label,
                 )  # fmt: skip
+            if key == "nmse":  # the prompt states alone: where its expected value is 1/(G-1)
+                xp, xperr = pooled_over_seeds(grpo, "nmse_prompt")
+                if finite(xp):
+                    left, right = min(left, xp - xperr), max(right, xp + xperr)
+                    ax.errorbar(
+                        xp, 100 * y, xerr=xperr, fmt="*", ms=12, mfc="none", color=colour("grpo-group"), capsize=3,
+                        label="GRPO at the prompt states (where 1/(G-1) holds)",
+                    )  # fmt: skip
         if isinstance(g, int) and g > 1 and key == "nmse":
-            ax.axvline(1 / (g - 1), color=colour("grpo-group"), ls=":", lw=1, label=f"1/(G-1) = {1 / (g - 1):.3f}")
+            ax.axvline(
+                1 / (g - 1), color=colour("grpo-group"), ls=":", lw=1,
+                label=f"1/(G-1) = {1 / (g - 1):.3f}: GRPO's expected nmse at the prompt state only",
+            )  # fmt: skip
             right = max(right, 1 / (g - 1))
-        span = 1.15 * right if right > 0 else 1.0
-        ax.set_xlim(-0.04 * span, span)  # a little room so that a point at 0 shows whole
+        span = 1.15 * (right - left) if right > left else 1.0
+        # every point shows, a negative nmse too (the noise correction can take a near-perfect baseline below 0)
+        ax.set_xlim(left - 0.04 * span, left + span)
         ax.set_xlabel(xlabel + " (lower is better)")
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
@@ -574,10 +644,14 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
     caption = (
         f"PPO critics from the {'head-to-head (matched tokens)' if source == 'h2h' else 'critic sweep (matched steps)'}"
         " runs. x: the baseline's noise-corrected MSE at token-weighted states over the reward's own variance"
-        " there (0: a perfect baseline; GRPO's leave-one-out mean of G reads 1/(G-1) whatever the success rate),"
-        " pooled over measurements and seeds, with the t interval over seeds; y: mean test accuracy over seeds with"
-        " its 95% interval. GRPO's star is its measured value. Left of it, a critic's baseline is less wrong than"
-        " the group's."
+        " there (0: a perfect baseline; below 0 only by the noise correction), pooled over measurements and seeds,"
+        " with its 95% interval over seeds (over measurements for one seed); y: mean test accuracy over seeds with"
+        " its 95% interval. GRPO's filled star is its measured value at the same states; its open star is its value"
+        " at the prompt states alone, where its leave-one-out mean of G reads 1/(G-1) (the dotted line) whatever"
+        " the success rate. Inside a completion its one constant cannot follow V(s_t) and reads more, (1/(G-1) + d)"
+        " / (1 - d) with d the share of the outcome's variance already resolved: left of the filled star a critic"
+        " tracks the value better than the group does (less wrong, not less noisy). Less noisy is read at the prompt"
+        " states: the table's \"nmse at prompt\" of a critic against GRPO's."
     )
     fig.suptitle("Is the critic worth having? Accuracy against the baseline's scaled error", fontsize=11)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
@@ -642,12 +716,28 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def error_axis_limits(single: list[float], pooled: list[float]) -> tuple[float, float]:
+    """The errors plot's axis range: every pooled (run) value, and single measurements up to their 10th and 90th
+    percentiles, with a margin; 0 always inside. One measurement's ratio rests on a few states and can read ~2,000
+    where the runs read ~0.1: outside this range such points are drawn on the edge, and the title says so."""
+
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))] if xs else 0.0
+
+    lo = min(0.0, *pooled, pct(single, 0.1)) if pooled else min(0.0, pct(single, 0.1))
+    hi = max(0.0, *pooled, pct(single, 0.9)) if pooled else max(0.0, pct(single, 0.9))
+    span = (hi - lo) or 1.0
+    return lo - 0.1 * span, hi + 0.1 * span
+
+
 def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
     """nmse against nmse centred, one small point per MC measurement and a large one per run (pooled); the
-    distance below the diagonal is the constant offset that whitening removes."""
+    distance below the diagonal is the constant offset that whitening removes. The axes cover the runs' values
+    and most measurements (error_axis_limits); a measurement beyond is drawn on the edge as a triangle, counted
+    in the title."""
     fig, ax = plt.subplots(figsize=(6, 5))
-    top = 0.0
-    labelled = set()
+    series = []
     for r in sorted(runs, key=lambda r: sort_key(r["experiment"], r["run"])):
         name = MC_BASELINE.get(r["method"], "value")
         meas = [
@@ -655,13 +745,25 @@ def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
             for row in r["rows"]
             if finite(row.get(f"mc/{name}/nmse")) and finite(row.get(f"mc/{name}/nmse_centred"))
         ]
-        if not meas or not finite(r["mc"]["nmse"]):
-            continue
-        xs = [row[f"mc/{name}/nmse"] for row in meas]
-        ys = [row[f"mc/{name}/nmse_centred"] for row in meas]
-        top = max(top, *xs, *ys)
+        if meas and finite(r["mc"]["nmse"]) and finite(r["mc"]["nmse_centred"]):
+            xs = [row[f"mc/{name}/nmse"] for row in meas]
+            ys = [row[f"mc/{name}/nmse_centred"] for row in meas]
+            series.append((r, xs, ys))
+    single = [v for _, xs, ys in series for v in (*xs, *ys)]
+    pooled = [v for r, _, _ in series for v in (r["mc"]["nmse"], r["mc"]["nmse_centred"])]
+    lo, hi = error_axis_limits(single, pooled)
+    beyond = 0
+    labelled = set()
+    for r, xs, ys in series:
         marker = "s" if r["experiment"] == "h2h" else "o"
-        ax.scatter(xs, ys, s=10, color=colour(r["run"]), alpha=0.35, marker=marker)
+        shown = [lo <= x <= hi and lo <= y <= hi for x, y in zip(xs, ys)]
+        inside = [(x, y) for x, y, ok in zip(xs, ys, shown) if ok]
+        outside = [(min(max(x, lo), hi), min(max(y, lo), hi)) for x, y, ok in zip(xs, ys, shown) if not ok]
+        beyond += len(outside)
+        if inside:
+            ax.scatter(*zip(*inside), s=10, color=colour(r["run"]), alpha=0.35, marker=marker)
+        if outside:
+            ax.scatter(*zip(*outside), s=16, color=colour(r["run"]), alpha=0.6, marker=">")
         label = f"{r['run']} ({r['experiment']})"
         ax.scatter(
             [r["mc"]["nmse"]],
@@ -673,11 +775,18 @@ def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
             label=None if label in labelled else label,
         )
         labelled.add(label)
-    ax.plot([0, top * 1.05 or 1], [0, top * 1.05 or 1], color="black", lw=0.8, ls=":", label="no offset (y = x)")
+    ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, ls=":", label="no offset (y = x)")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
     ax.set_xlabel("nmse (counts the mean error)")
     ax.set_ylabel("nmse centred (mean error removed)")
+    cut = (
+        f"\naxes cut at [{lo:.2g}, {hi:.2g}]: {beyond} of {len(single) // 2} measurements beyond, drawn on the edge (>)"
+        if beyond
+        else ""
+    )
     ax.set_title(
-        "Raw against centred error per baseline\n(small: each measurement; large: the run, pooled)", fontsize=10
+        "Raw against centred error per baseline\n(small: each measurement; large: the run, pooled)" + cut, fontsize=9
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
@@ -814,8 +923,8 @@ def old_run_columns(runs: list[dict[str, Any]]) -> str:
             missing.setdefault(NEW_COLUMNS["nmse"], []).append(name)
         if r["correct"] is None:
             missing.setdefault(NEW_COLUMNS["paired"], []).append(name)
-        if not finite(r["train_flops"]) and r["method"] in ("ppo", "grpo"):  # dpo.py does not record it
-            missing.setdefault(NEW_COLUMNS["train_flops"], []).append(name)
+        if not finite(r["update_flops"]) and r["method"] in ("ppo", "grpo"):  # dpo.py does not record it
+            missing.setdefault(NEW_COLUMNS["update_flops"], []).append(name)
     if not missing:
         return ""
     parts = [f"{col} ({len(names)} run{'s' if len(names) > 1 else ''}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"

@@ -424,16 +424,16 @@ def test_report_pools_sums_pairs_problems_and_names_what_old_runs_cannot_fill(tm
         assert summary[run]["rmse"] == pytest.approx(direct["rmse"], rel=1e-9)
         centred = sum(p["sum_centred_sq_nc"] for p in parts) / direct["sum_signal_var"]
         assert summary[run]["nmse_centred"] == pytest.approx(centred, rel=1e-9)
-        assert summary[run]["nmse_seed_low"] < summary[run]["nmse"] < summary[run]["nmse_seed_high"]
+        assert summary[run]["nmse_low"] < summary[run]["nmse"] < summary[run]["nmse_high"]
     assert summary["ppo-small"]["nmse"] < summary["grpo-group"]["nmse"]
-    # paired on the same problems: per problem the mean over seeds, then the mean difference and its t interval
+    # paired on the same problems, seed by seed: the t interval over the per-seed differences
     by = {(r["run"], r["seed"]): r["correct"] for r in runs if r["correct"] is not None}
-    a = [sum(by[("ppo-small", s)][j] for s in (1, 2, 3)) / 3 for j in range(n_test)]
-    b = [sum(by[("grpo-group", s)][j] for s in (1, 2, 3)) / 3 for j in range(n_test)]
-    d, lo, hi = common.paired_difference(a, b)
+    per_seed = [sum(x - y for x, y in zip(by[("ppo-small", s)], by[("grpo-group", s)])) / n_test for s in (1, 2, 3)]
+    d, lo, hi = common.mean_interval(per_seed)
     row = summary["ppo-small"]
     assert (row["vs_grpo"], row["vs_grpo_low"], row["vs_grpo_high"]) == pytest.approx((d, lo, hi))
-    assert row["train_flops"] == pytest.approx(6 * 2000 * 15)
+    assert row["vs_grpo_seeds"] == 3 and row["vs_grpo_problems"] == n_test
+    assert row["update_flops"] == pytest.approx(6 * 2000 * 15)
     # the old run: its row is written, its new columns are empty, and one line says which
     assert all(r != r for r in (summary["ppo-none"]["nmse"], summary["ppo-none"]["vs_grpo"]))
     md = report.write_report(tmp_path, tmp_path / "report").read_text()
