@@ -83,7 +83,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature (the policy's log-probs use the same one)"""
     top_p: float = 1.0
-    """nucleus sampling threshold"""
+    """nucleus sampling threshold; below 1 refused here (the engine's log-probs are the untruncated softmax's)"""
 
     # --- optimisation ---
     total_steps: int = 200
@@ -172,6 +172,11 @@ def validate(args: Args) -> None:
     )
     if args.group_size < 2:
         raise runtime.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
+    if args.top_p < 1:  # the ratio, the KL and the MC return need the log-probs of the distribution sampled from
+        raise runtime.UserError(
+            f"--top-p {args.top_p} biases grpo.py's ratio, KL and Monte Carlo return: the engine's log-probs are "
+            "the untruncated softmax's, not the nucleus it samples from; use --top-p 1 (dpo.py takes it)"
+        )
 
 
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.

@@ -83,7 +83,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature (the policy's log-probs use the same one)"""
     top_p: float = 1.0
-    """nucleus sampling threshold"""
+    """nucleus sampling threshold; below 1 refused here (the engine's log-probs are the untruncated softmax's)"""
 
     # --- optimisation ---
     total_steps: int = 200
@@ -192,6 +192,11 @@ def validate(args: Args) -> None:
         raise runtime.UserError(
             "--kl-mode reward with --fsdp cannot be measured against Monte Carlo: the reference's KL of the fresh "
             "rollouts would take a different number of sharded forwards on each rank; pass --mc-every 0 or drop --fsdp"
+        )
+    if args.top_p < 1:  # the ratio, the KL and the MC return need the log-probs of the distribution sampled from
+        raise runtime.UserError(
+            f"--top-p {args.top_p} biases ppo.py's ratio, KL and Monte Carlo return: the engine's log-probs are "
+            "the untruncated softmax's, not the nucleus it samples from; use --top-p 1 (dpo.py takes it)"
         )
 
 

@@ -175,10 +175,10 @@ def nmse_interval(rs: list[dict[str, Any]], key: str = "nmse") -> tuple[float, f
     else:
         units, label = rs[0]["mc"][f"{part}per_measurement"], "measurements, 1 seed"
     units = [u for u in units if u and num_key in u and "sum_signal_var" in u]
-    if len(units) < len(rs):  # a seed without this measurement: no pooled value
-        return float("nan"), float("nan"), float("nan"), label
-    _, lo, hi = common.ratio_interval([u[num_key] for u in units], [u["sum_signal_var"] for u in units])
     pooled = common.pool_baseline_errors([r["mc"][f"{part}sums"] for r in rs]).get(key.removesuffix("_prompt"))
+    lo = hi = float("nan")
+    if len(units) >= len(rs):  # a seed without this measurement (an old run): the seeds that have it, no interval
+        _, lo, hi = common.ratio_interval([u[num_key] for u in units], [u["sum_signal_var"] for u in units])
     return (pooled if finite(pooled) else float("nan")), lo, hi, label
 
 

@@ -78,6 +78,8 @@ ONE_TRAINER = [
     ("grpo.py", "clip-eps-high", 0),
     ("grpo.py", "kl-coef", "inf"),
     ("grpo.py", "mc-prompts", 0),
+    ("ppo.py", "top-p", 0.9),  # the engine's log-probs are the untruncated softmax's: the ratio would be biased
+    ("grpo.py", "top-p", 0.9),
     ("dpo.py", "samples-per-prompt", 0),
     ("dpo.py", "offline-prompts", 0),
     ("dpo.py", "beta", "nan"),
