@@ -960,7 +960,13 @@ def write_report(out: Path, report_dir: Path) -> Path:
         plot_curves(plt, runs, report_dir / "curves.png")
         plots.append(("curves.png", "Learning curves: mean over seeds, with a 95% band where there are several."))
         plot_errors(plt, runs, report_dir / "errors.png")
-        plots.append(("errors.png", "nmse against nmse centred per baseline: below the diagonal is a constant offset."))
+        plots.append(
+            (
+                "errors.png",
+                "nmse against nmse centred per baseline: below the diagonal is a constant offset. The axes keep to the"
+                " runs' scale; a measurement beyond is drawn on the edge (>), and the title says how many.",
+            )
+        )
 
     models = sorted({r["model"] for r in runs})
     devices = sorted({r["device"] for r in runs})
