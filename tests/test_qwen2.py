@@ -314,3 +314,101 @@ def test_a_model_that_cannot_be_fetched_is_one_line_before_anything_is_written(t
     assert "Qwen/Qwen2.5-0.5B-Instruct" in line and "--model smollm2" in line and "local folder" in line, line
     assert not run_dir.exists()
     assert os.environ.get("HF_HUB_CACHE") != env["HF_HUB_CACHE"]
+
+
+def test_the_sweep_leaves_the_model_to_the_scale(tmp_path):
+    """A sweep without --model passes none, so that each trainer's scale picks it (study: qwen2.5-0.5b, cpu:
+    smollm2); --model given is passed on (--smoke's --model tiny: tests/test_sweep.py)."""
+    import sys
+
+    def commands(*args: str) -> list[str]:
+        env = {**trainer_env(), "PYTHON": sys.executable}
+        proc = subprocess.run(
+            ["bash", str(REPO / "sweep.sh"), "--dry-run", "--out", str(tmp_path / "out"), "--seeds", "1", *args],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        check_ok(proc)
+        return [line for line in proc.stdout.splitlines() if ".py --run-dir " in line]
+
+    study = commands("--scale", "study")
+    assert study and all("--model" not in c and "--scale study" in c for c in study)
+    assert all("--model qwen2.5-1.5b " in c for c in commands("--model", "qwen2.5-1.5b"))
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------------
+# report.py --estimate-model: the study's memory and time on one H200, by arithmetic
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["smollm2", "smollm2-360m", "smollm2-1.7b", "qwen2.5-0.5b", "qwen2.5-1.5b"])
+def test_the_estimates_shapes_count_the_parameters_transformers_builds(name):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    import report
+
+    s = report.MODEL_SHAPES[name]
+    kind = Qwen2Config if s.get("qkv_bias") else LlamaConfig
+    cfg = kind(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], intermediate_size=s["inter"],
+        tie_word_embeddings=s["tied"],
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert report.model_params(s)["total"] == sum(p.numel() for p in model.parameters())
+    known = {"smollm2": 134_515_008, "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}
+    assert report.model_params(s)["total"] == known.get(name, report.model_params(s)["total"])
+
+
+def test_the_estimates_study_settings_are_the_trainers():
+    import importlib
+
+    import report
+
+    for method, settings in report.STUDY.items():
+        args = importlib.import_module(method).Args()
+        assert {k: getattr(args, k) for k in settings} == settings, method
+
+
+def test_the_activation_bytes_per_token_match_what_a_qwen2_layer_saves():
+    """31 H + 8 I bytes per token per layer (report.ACT_BYTES_*) against the tensors a Qwen2 layer saves for its
+    backward under bf16 autocast, at a third shape (not one it was fitted to): within 10%."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    import report
+
+    H, inter = 256, 1408
+
+    def saved(layers: int, S: int) -> int:
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=256, hidden_size=H, intermediate_size=inter, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+        m = AutoModelForCausalLM.from_config(cfg)
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            m.model(input_ids=torch.randint(0, 256, (1, S)))
+        return sum(seen.values())
+
+    per_token_layer = ((saved(2, 128) - saved(1, 128)) - (saved(2, 64) - saved(1, 64))) / 64
+    predicted = report.ACT_BYTES_H * H + report.ACT_BYTES_I * inter
+    assert abs(per_token_layer - predicted) <= 0.1 * per_token_layer, (per_token_layer, predicted)
+
+
+def test_qwen25_05b_fits_one_h200_at_the_study_settings_and_15b_says_what_to_change():
+    import report
+
+    small = report.model_estimate_markdown("qwen2.5-0.5b", 200, 3)
+    rows = [line for line in small.splitlines() if line.startswith("| ppo-") or line.startswith("| grpo")]
+    assert len(rows) == 6 and all("| yes |" in r for r in rows), small
+    assert "18 runs x 3 seeds" in small
+    big = report.model_estimate_markdown("qwen2.5-1.5b", 200, 3)
+    full = next(line for line in big.splitlines() if line.startswith("| ppo-full"))
+    assert "**no**: at --micro-batch-size" in full
+    with pytest.raises(runtime.UserError, match="qwen2.5-0.5b"):
+        report.model_estimate_markdown("gpt2", 200, 3)
