@@ -381,7 +381,7 @@ def test_fsdp_shards_qwen2_and_two_ranks_equal_one_process(tmp_path, data_dir):
     for proc in side_by_side(command("ppo.py", flags(one, data_dir, **run)),
                              torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True))):  # fmt: skip
         check_ok(proc)
-    assert {p.name for p in (two / runtime.CHECKPOINT / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
+    assert {p.name for p in (two / checkpoint.CHECKPOINT / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
     assert_same_weights(one, two, model=runtime.TINY_QWEN2)
     assert_same_curve(one, two)
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers import REPO, check_ok, check_one_error_line, cli, command, run_here, trainer_env
 
+import checkpoint
 import engine
 import runtime
 from critics import HEAD_WIDTHS, build_critic
@@ -249,17 +250,17 @@ def test_a_qwen2_checkpoint_round_trips_tied_or_untied(tok, tied, tmp_path):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     args = {"model": runtime.TINY_QWEN2, "run_dir": str(tmp_path)}
     kw = dict(optimizer=opt, scheduler=sched, args=args)
-    runtime.save_checkpoint(tmp_path, policy=lm, tokenizer=tok, critic=None, state={"counters": {"step": 1}}, **kw)
+    checkpoint.save_checkpoint(tmp_path, policy=lm, tokenizer=tok, critic=None, state={"counters": {"step": 1}}, **kw)
     fresh = tiny_qwen2(tok, tied, seed=4)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
-    runtime.load_checkpoint(
+    checkpoint.load_checkpoint(
         tmp_path, policy=fresh, critic=None, optimizer=opt2, scheduler=sched2, args=args, map_location=CPU
     )
     for (name, a), b in zip(lm.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
     assert (fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()) == tied
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / runtime.CHECKPOINT / "policy")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / checkpoint.CHECKPOINT / "policy")
     assert loaded.config.tie_word_embeddings == tied
     assert torch.equal(loaded.lm_head.weight, lm.lm_head.weight)
     assert torch.equal(loaded.model.layers[0].self_attn.k_proj.bias, lm.model.layers[0].self_attn.k_proj.bias)
@@ -276,8 +277,8 @@ def test_ppo_with_a_full_critic_trains_tiny_qwen2_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     flags = dict(model=runtime.TINY_QWEN2, task="toy", critic="full", lr=1e-3, total_steps=1)
     check_ok(run_here("ppo.py", cli(run_dir, **flags)))
-    ckpt = run_dir / runtime.CHECKPOINT
-    runtime.verify_checkpoint(ckpt)
+    ckpt = run_dir / checkpoint.CHECKPOINT
+    checkpoint.verify_checkpoint(ckpt)
     check_ok(run_here("ppo.py", cli(run_dir, **{**flags, "total_steps": 2}, resume=True)))
 
 
