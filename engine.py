@@ -404,8 +404,9 @@ def cdf_block(K: int) -> int:
 
 def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The index where u (in [0, 1)) lands in the CDF of the unnormalised weights p, in two levels: block sums,
-    then a cumulative sum inside the one chosen block (blocks of cdf_block(K) tokens). fp32 throughout; every op is row-wise, so a row's index
-    depends on its own weights and uniform only, not on the batch.  p fp32 [B, K] >= 0, u [B] -> [B] long
+    then a cumulative sum inside the one chosen block (blocks of cdf_block(K) tokens). fp32 throughout; every op
+    is row-wise, so a row's index depends on its own weights and uniform only, not on the batch.
+    p fp32 [B, K] >= 0, u [B] -> [B] long
 
     Token i is chosen when cdf[i - 1] <= u * total < cdf[i]; a rounding overshoot never picks a zero-weight
     token: the block and the index are clamped to the ones with weight."""
@@ -467,8 +468,9 @@ class StaticEngine:
     - Weights. The engine keeps its own copies: the embedding, norms and residual stream in fp32, the
       matrices in the compute dtype (bf16 on a GPU, as under training's autocast; fp32 on the CPU), q/k/v
       (with Qwen2's q/k/v biases, also in the compute dtype) and gate/up fused. `refresh()` copies the live
-      parameters into them at the start of every generate() call. The CUDA graphs read only these copies, whose addresses never change, so a graph never runs stale
-      weights, whatever the optimiser did in between (and a replaced parameter tensor is picked up too).
+      parameters into them at the start of every generate() call. The CUDA graphs read only these copies, whose
+      addresses never change, so a graph never runs stale weights, whatever the optimiser did in between (and a
+      replaced parameter tensor is picked up too).
     - KV cache: [layers, 2 (k, v), rows, kv_heads, slots, head_dim], left-aligned: slot = position, so each
       row's valid slots are [0, its length), contiguous. Response token t of a row with a prompt of length p
       goes to slot p + t.

@@ -775,7 +775,8 @@ def estimate_markdown(runs: list[dict[str, Any]], steps: int, seeds: int, eval_e
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "smollm2": dict(vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, inter=1536, tied=True),
     "smollm2-360m": dict(vocab=49152, hidden=960, layers=32, heads=15, kv_heads=5, head_dim=64, inter=2560, tied=True),
-    "smollm2-1.7b": dict(vocab=49152, hidden=2048, layers=24, heads=32, kv_heads=32, head_dim=64, inter=8192, tied=True),
+    "smollm2-1.7b": dict(vocab=49152, hidden=2048, layers=24, heads=32, kv_heads=32, head_dim=64, inter=8192,
+                         tied=True),
     "qwen2.5-0.5b": dict(vocab=151936, hidden=896, layers=24, heads=14, kv_heads=2, head_dim=64, inter=4864, tied=True,
                          qkv_bias=True),
     "qwen2.5-1.5b": dict(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, head_dim=128, inter=8960,
@@ -865,8 +866,9 @@ def run_memory(s: dict[str, Any], method: str, critic: str, micro: int | None = 
 
 def run_seconds(s: dict[str, Any], method: str, critic: str, steps: int, eval_every: int) -> dict[str, float]:
     """Seconds of one run: generation (a decode step as docs/throughput.md's: max(bytes / bandwidth, FLOPs / peak)
-    + kernels x gap, its bytes the bf16 weights, the KV cache read and the sampler's fp32 [rows, V] passes), training (6 FLOPs per parameter per token trained, a full
-    critic as many again, 2 for the reference's forward, at MFU), the MC measurements and the evaluations."""
+    + kernels x gap, its bytes the bf16 weights, the KV cache read and the sampler's fp32 [rows, V] passes),
+    training (6 FLOPs per parameter per token trained, a full critic as many again, 2 for the reference's forward,
+    at MFU), the MC measurements and the evaluations."""
     st, p, gpu = STUDY[method], model_params(s), GPUS["h200"]
     G = st.get("group_size", st.get("samples_per_prompt", 1))
     T = st["max_new_tokens"]
@@ -939,18 +941,21 @@ def model_estimate_markdown(model: str, steps: int, seeds: int, eval_every: int 
             micro = STUDY[method]["micro_batch_size"] // 2
             while micro > 1 and sum(run_memory(s, method, critic, micro).values()) > g["memory"]:
                 micro //= 2
-            fits = f"**no**: at --micro-batch-size {micro}, {sum(run_memory(s, method, critic, micro).values()) / 2**30:.0f} GiB"
+            need = sum(run_memory(s, method, critic, micro).values())
+            fits = f"**no**: at --micro-batch-size {micro}, {need / 2**30:.0f} GiB"
         lines.append(
             f"| {name} | {peak / 2**30:.1f} GiB | {fits} | {big}: "
             f"{mem[big] / 2**30:.1f} GiB | {fmt_time(sec['rollouts'])} | {fmt_time(sec['training'])} | "
-            f"{fmt_time(sec.get('MC measurement', 0.0))} | {fmt_time(sec['evaluations'])} | {fmt_time(sum(sec.values()))} |"
+            f"{fmt_time(sec.get('MC measurement', 0.0))} | {fmt_time(sec['evaluations'])} | "
+            f"{fmt_time(sum(sec.values()))} |"
         )
     for method, critic in SWEEP_RUNS:
         total += sum(run_seconds(s, method, critic, steps, eval_every).values())
     lines += [
         "",
-        f"**The full sweep: {len(SWEEP_RUNS)} runs x {seeds} seeds, {total * seeds / 3600:.1f} h on one {g['name']}**, one run after another (the budget-matched runs "
-        "taken at GRPO's steps; process start-up and model loading not counted).",
+        f"**The full sweep: {len(SWEEP_RUNS)} runs x {seeds} seeds, {total * seeds / 3600:.1f} h on one {g['name']}**, "
+        "one run after another (the budget-matched runs taken at GRPO's steps; process start-up and model loading "
+        "not counted).",
     ]
     return "\n".join(lines)
 

@@ -737,8 +737,10 @@ def tiny_config(tokenizer: Any = None, family: str = "llama", tied: bool = True)
         keep = ("vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings", "initializer_range",
                 "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
         llama = tiny_config(tokenizer).to_dict()
-        return Qwen2Config(**{k: llama[k] for k in keep}, hidden_size=96, intermediate_size=160, num_attention_heads=6,
-                           num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied)  # fmt: skip
+        qwen = dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2)
+        return Qwen2Config(
+            **{k: llama[k] for k in keep}, **qwen, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied
+        )
     return LlamaConfig(
         vocab_size=len(tokenizer) if tokenizer is not None else SMOLLM2_VOCAB,
         hidden_size=64,
