@@ -230,7 +230,8 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
     step_times = [r["time/step"] for r in rows if finite(r.get("time/step"))]
     wall = float(res.get("wall_time_s", float("nan")))
     test_s = float(test.get("seconds", 0.0)) if isinstance(test, dict) and finite(test.get("seconds")) else 0.0
-    not_training = sum(r[k] for r in rows for k in ("mc/seconds", "val/seconds") if finite(r.get(k))) + test_s
+    val_s = {r["step"]: r["val/seconds"] for r in rows if finite(r.get("val/seconds"))}  # a resume logs one twice
+    not_training = sum(r["mc/seconds"] for r in rows if finite(r.get("mc/seconds"))) + sum(val_s.values()) + test_s
     return {
         "experiment": experiment,
         "run": f"{method}-{variant}",

@@ -83,7 +83,8 @@ def _sweep(tmp_path: Path, ppo_exact: bool = False, same_correct: bool = False) 
             sizes = (40, 40, 40) if seed != 3 else (40, 200, 200)  # seed 3 measures more states
             meas = [_measurement(g, noise, n, exact=ppo_exact and method == "ppo") for n in sizes]
             correct = [0.0] * n_test if same_correct else (torch.rand(n_test, generator=g) < 0.4).float().tolist()
-            rows = _rows(name, meas, 8) + [{"step": 3, "val/accuracy": 0.1, "val/seconds": 7.0}]
+            final_val = {"step": 3, "val/accuracy": 0.1, "val/seconds": 7.0}
+            rows = _rows(name, meas, 8) + [final_val, final_val]  # a resume logs the final evaluation twice
             _write(tmp_path, "h2h", method, seed, rows, correct)
     runs, damaged = report.load_runs(tmp_path)
     assert not damaged and len(runs) == 6
@@ -144,7 +145,8 @@ def test_no_interval_is_printed_with_zero_width(tmp_path):
 
 
 def test_train_time_leaves_out_the_measurement_and_the_evaluations_and_flops_say_what_they_count(tmp_path):
-    """wall time 100 s; the MC measurement 3 x 3 s, a validation 7 s, the test 5 s: train time 79 s, both shown.
+    """wall time 100 s; the MC measurement 3 x 3 s, a validation 7 s (logged twice, as after a resume: counted
+    once), the test 5 s: train time 79 s, both shown.
     The FLOPs column is named for what it counts (the updates), and the definitions say what it leaves out."""
     runs = _sweep(tmp_path)
     summary = {r["run"]: r for r in report.summarize(runs)}
