@@ -207,6 +207,7 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "train_flops": float(flops) if flops is not None else float("nan"),
         "correct": [float(c) for c in correct] if isinstance(correct, list) else None,
         "device": str(res.get("device", "")),
+        "rollout": rollout_label(res),
         "model": str(args.get("model", "")),
         "scale": str(args.get("scale", "")),
         "task": str(args.get("task", "")),
@@ -217,6 +218,16 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "mc": mc_summary(rows, method),
         "curve": curve(rows),
     }
+
+
+def rollout_label(res: dict[str, Any]) -> str:
+    """What a run's rollouts ran on (results.json's rollout_backend), its fallbacks named: "static (fell back:
+    cuda_graph)"; "-" for a run from before the record."""
+    backend = res.get("rollout_backend")
+    if backend is None and "rollout_backend" not in res:
+        return "-"
+    fell = sorted({f.get("what", "?") for f in res.get("rollout_fallbacks") or []})
+    return str(backend or "none") + (f" (fell back: {', '.join(fell)})" if fell else "")
 
 
 def run_variant(res: dict[str, Any]) -> str:
@@ -305,6 +316,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tokens_vs_budget": mean([r["generated_tokens"] / r["token_budget"] for r in rs if r["token_budget"]]),
             "mc_tokens": mean([r["mc_tokens"] for r in rs]),
             "wall_time_s": mean([r["wall_time_s"] for r in rs]),
+            "rollout": "; ".join(sorted({r.get("rollout", "-") for r in rs})),
             "critic_params": rs[0]["critic_params"],
         }
         row["train_flops"] = mean([r["train_flops"] for r in rs])
@@ -397,6 +409,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "vs budget",
         "train FLOPs",
         "wall time",
+        "rollout",
         "critic params",
         "vs GRPO (paired) %",
         "nmse [seeds]",
@@ -419,6 +432,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             fmt_num(r["tokens_vs_budget"], 2),
             fmt_tokens(r["train_flops"]),
             fmt_time(r["wall_time_s"]),
+            r.get("rollout", "-"),
             f"{r['critic_params']:,}",
             fmt_signed_interval(r["vs_grpo"], r["vs_grpo_low"], r["vs_grpo_high"]),
             fmt_num(r["nmse"])

@@ -808,10 +808,18 @@ def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scal
 class MetricsLogger:
     """Appends one JSON line per step to run_dir/metrics.jsonl (and TensorBoard scalars when installed)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        resume_step: int | None = None,
+        first_row: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         """resume_step: the checkpoint's step. Rows a killed run logged after it (and a half-written last line)
-        are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again."""
+        are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again.
+        first_row: fields added to the first row this process logs (the trainers: engine.rollout_record)."""
         self.enabled = enabled
+        self.first_row = first_row
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         if enabled and resume_step is not None and self.path.is_file():
@@ -841,6 +849,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        if self.first_row is not None:
+            row.update(self.first_row())
+            self.first_row = None
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
