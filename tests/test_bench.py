@@ -67,6 +67,7 @@ def test_run_gpu_flow_tiny_cpu_keeps_the_parts_before_one_killed_by_its_limit(tm
     assert sec["sdpa"]["decode"] and "unknown" not in sec["sdpa"]["decode"] + sec["sdpa"]["prefill"]
     floor = gen["engine"]["floor"]
     assert floor["expected_ms"] > 0 and floor["measured_ms"] > 0 and floor["ops_per_step_eager"] > 10
+    assert floor["ops_source"].startswith("eager") and floor["ops_per_step"] == floor["ops_per_step_eager"]  # CPU
     assert floor["bytes_read"] >= floor["bytes_valid"] > floor["weight_bytes"] + floor["logit_bytes"]
     assert sec["eval"]["warm_s"] > 0 and sec["eval"]["problems"] == 16
     r = report["ratios"]
