@@ -32,6 +32,7 @@ import torch
 import tyro
 from tqdm.auto import tqdm
 
+import checkpoint
 import common
 import engine
 import runtime
@@ -205,7 +206,7 @@ def main() -> None:
     })  # fmt: skip
     G, micro = args.group_size, args.micro_batch
     run_dir = Path(args.run_dir or f"runs/grpo-s{args.seed}")
-    runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
+    checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     tokenizer = runtime.load_tokenizer(args.model)
@@ -250,7 +251,7 @@ def main() -> None:
     settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
     modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
-        state = runtime.load_checkpoint(run_dir, **modules, map_location=device)
+        state = checkpoint.load_checkpoint(run_dir, **modules, map_location=device)
         counters.update(state["counters"])
         sampler.load_state_dict(state["sampler"])
     if dist_.main:
@@ -283,7 +284,7 @@ def main() -> None:
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
         state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
-        runtime.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
+        checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
     show = dist_.main and args.progress
     bar = tqdm(total=args.total_steps, initial=counters["step"], desc="grpo", disable=not show)
@@ -447,7 +448,7 @@ def main() -> None:
             if dist_.main:
                 print(
                     f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
-                    f"checkpoint in {run_dir / runtime.CHECKPOINT}; continue with --resume",
+                    f"checkpoint in {run_dir / checkpoint.CHECKPOINT}; continue with --resume",
                     flush=True,
                 )
             return

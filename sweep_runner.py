@@ -5,7 +5,8 @@ a damaged results.json or a run that never saved is set aside, never deleted), t
 reference run, the launchers (one after another, a pool over GPUs or CPU jobs, torchrun, SLURM arrays), the logs
 and status files, the lock on the sweep's folder, the summary, and the call of report.py.
 Does not hold: the experiments or their commands (sweep.sh), any training (the trainers, started as processes),
-the report (report.py). It imports runtime.py only to read results.json and find checkpoints as the trainers do.
+the report (report.py). It imports runtime.py and checkpoint.py only to read results.json and find checkpoints
+as the trainers do.
 """
 
 from __future__ import annotations
@@ -230,7 +231,8 @@ def states(runs: list[Run], dry_run: bool) -> list[str]:
     """finished (a readable results.json), resume (a checkpoint) or new, per run. A damaged results.json is named
     and renamed aside (never deleted), so the run is redone from its checkpoint; a folder left by a run that died
     before its first checkpoint is renamed aside whole, so the run starts afresh."""
-    import runtime  # torch: seconds to import, so only once the options are good
+    import checkpoint  # torch: seconds to import, so only once the options are good
+    import runtime
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = []
@@ -252,7 +254,7 @@ def states(runs: list[Run], dry_run: bool) -> list[str]:
                 aside = res.with_name(f"results.json.damaged-{stamp}")
                 res.rename(aside)
                 print(f"warning: {problem}; kept as {aside.name}, redoing the run", file=sys.stderr)
-        if runtime.find_checkpoint(run.dir) is not None:
+        if checkpoint.find_checkpoint(run.dir) is not None:
             out.append("resume")
             continue
         if run.dir.is_dir() and any(p.name not in ("tb", ".lock") for p in run.dir.iterdir()):

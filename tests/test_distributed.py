@@ -30,6 +30,7 @@ import pytest
 import torch
 from helpers import REPO, check_ok, cli, command, trainer_env, wait_for_first_step
 
+import checkpoint
 import common
 import runtime
 
@@ -168,7 +169,7 @@ def as_ranks(script: str, args: list[str], world: int = 2, timeout: float = 120)
 def weights(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    ckpt = Path(run_dir) / runtime.CHECKPOINT
+    ckpt = Path(run_dir) / checkpoint.CHECKPOINT
     out = {"policy": load_file(ckpt / "policy" / "model.safetensors")}
     if (ckpt / "critic.safetensors").is_file():
         out["critic"] = load_file(ckpt / "critic.safetensors")
@@ -263,7 +264,7 @@ def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
         assert res_a[split]["n"] == res_b[split]["n"] == 8
         assert res_a[split]["accuracy"] == res_b[split]["accuracy"]
         assert res_a[split]["samples"] == res_b[split]["samples"]
-    state = json.loads((two / runtime.CHECKPOINT / "state.json").read_text())
+    state = json.loads((two / checkpoint.CHECKPOINT / "state.json").read_text())
     assert state["world"] == 2 and state["counters"]["step"] == 2
 
 
@@ -314,12 +315,12 @@ def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, d
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
     check_ok(finish(straight_run))
-    stopped_at = json.loads((split / runtime.CHECKPOINT / "state.json").read_text())["counters"]["step"]
+    stopped_at = json.loads((split / checkpoint.CHECKPOINT / "state.json").read_text())["counters"]["step"]
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert f"stopped by a signal on another rank after step {stopped_at}" in out, out[-3000:]
     assert not (split / "results.json").exists()
     assert sorted(p.name for p in split.iterdir() if p.name.startswith(".")) == [], "a temporary folder was left"
-    runtime.verify_checkpoint(split / runtime.CHECKPOINT)
+    checkpoint.verify_checkpoint(split / checkpoint.CHECKPOINT)
 
     # saved on two ranks, resumed in one process: the same end as the straight run
     check_ok(one_process("ppo.py", flags(split, data_dir, **SIGTERM_RUN, resume=True)))
@@ -351,8 +352,8 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
     for proc in side_by_side(command("ppo.py", flags(one, data_dir, **FSDP_RUN)),
                              torchrun_cmd("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True))):  # fmt: skip
         check_ok(proc)
-    ckpt = two / runtime.CHECKPOINT
-    runtime.verify_checkpoint(ckpt)
+    ckpt = two / checkpoint.CHECKPOINT
+    checkpoint.verify_checkpoint(ckpt)
     assert {p.name for p in (ckpt / "dcp").iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
     assert not (ckpt / "optimizer.pt").exists(), "the optimizer's shards are in dcp/"
     assert_same_weights(one, two)  # policy/ and critic.safetensors, gathered whole on rank 0
