@@ -69,6 +69,8 @@ How to read it (the definitions, with formulas: docs/measurement.md):
   measurement tokens never train and are counted apart (mc_tokens in the CSV), as are evaluation tokens.
   **train FLOPs** ~ 6 x trained tokens x trainable parameters (policy + critic: a full critic doubles the trunk);
   **wall time**: the run's own clock. Matched compute is read three ways: tokens (the budget), FLOPs, time.
+  **rollout**: what the run's rollouts ran on (static + CUDA graphs, static, hf; "fell back" names each
+  fallback, its reason in results.json): a slow run is not a slow method; "-" for a run from before the record.
 - **matched compute (h2h)**: for each seed, grpo.py runs first for the scale's steps; its generated tokens are the
   budget. Every PPO critic and online DPO then run with `--token-budget` = that budget (and a step cap 10x GRPO's
   steps, so that the budget ends them); a run stops after the step that reaches the budget, so it can overshoot by
