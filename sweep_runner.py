@@ -36,7 +36,8 @@ Runs the plan in sweep.sh into OUT/<experiment>/<name>-s<seed>, then writes the 
 options:
   --experiments LIST  comma-separated, from {experiments} (default: {default})
   --seeds LIST        comma-separated seeds (default: 1,2,3)
-  --model NAME        the trainers' --model (default: smollm2)
+  --model NAME        the trainers' --model (default: their scale's: qwen2.5-0.5b at study, as on a GPU;
+                      smollm2, the packaged model, at cpu)
   --scale S           the trainers' --scale: auto, study or cpu (default: auto)
   --out DIR           runs and report (default: runs/sweep; runs/smoke with --smoke)
   --launcher L        seq: one run after another (the default)
@@ -72,7 +73,7 @@ class UsageError(Exception):
 class Options:
     experiments: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
-    model: str = "smollm2"
+    model: str = ""  # "": the trainers' scale picks it (study: qwen2.5-0.5b; cpu: smollm2)
     scale: str = "auto"
     out: Path = Path("runs/sweep")
     launcher: str = "seq"
@@ -306,7 +307,7 @@ def command(o: Options, run: Run, smoke: dict[str, list[str]], budget: tuple[int
     else:
         prefix = [PYTHON]
     cmd = [*prefix, run.script, "--run-dir", str(run.dir), "--seed", str(run.seed)]
-    cmd += ["--model", o.model, "--scale", o.scale, "--no-progress"]
+    cmd += [*(["--model", o.model] if o.model else []), "--scale", o.scale, "--no-progress"]
     if o.smoke:
         cmd += smoke.get("*", []) + smoke.get(run.script, [])
         if "--pairs gold" not in " ".join(run.flags):
@@ -513,7 +514,8 @@ def submit_slurm(s: Sweep) -> None:
     if not o.dry_run and subprocess.run(["sh", "-c", "command -v sbatch"], capture_output=True).returncode != 0:
         raise UsageError("--launcher slurm needs sbatch, which is not on PATH")
     task = o.out / "slurm" / "task.sh"
-    again = ["--experiments", ",".join(o.experiments), "--seeds", ",".join(map(str, o.seeds)), "--model", o.model]
+    again = ["--experiments", ",".join(o.experiments), "--seeds", ",".join(map(str, o.seeds))]
+    again += ["--model", o.model] if o.model else []
     again += ["--scale", o.scale, "--out", str(o.out), "--launcher", "slurm"]
     again += [*(["--gpus", str(o.gpus)] if o.gpus else []), *(["--smoke"] if o.smoke else [])]
     line = f'exec ./sweep.sh {shlex.join(again)} --slurm-task "$SLURM_ARRAY_TASK_ID"'
@@ -610,7 +612,7 @@ def main(argv: list[str]) -> int:
     jobs = f" ({o.jobs} at once)" if len(slots) > 1 and o.launcher == "seq" else ""
     print(
         f"sweep: {len(o.experiments)} experiment(s) ({' '.join(o.experiments)}), seeds {' '.join(map(str, o.seeds))},"
-        f" model {o.model}, scale {o.scale}, launcher {o.launcher}{jobs}: {len(runs)} runs into {o.out}",
+        f" model {o.model or 'of the scale'}, scale {o.scale}, launcher {o.launcher}{jobs}: {len(runs)} runs into {o.out}",
         flush=True,
     )
     if o.dry_run:
