@@ -53,13 +53,14 @@ options:
                       the study needs: OUT/preflight.json and one line; exit 0 when it has, 3 when it has not
   --preflight-prompts N  train prompts the preflight samples, group-size times each (default: 256 on a GPU,
                       8 on the CPU)
-  --force             run the sweep even when the preflight refuses it
+  --force             start the sweep without the preflight's check (an OUT/preflight.json already there still
+                      opens the report)
   -h, --help          this text
 
-A sweep runs the preflight first (preflight.py; reused from OUT/preflight.json when its settings are the same) and
+A sweep runs the preflight first (preflight.py; reused from OUT/preflight.json when its command is the same) and
 stops with exit status 3, before any run folder exists, when the share of prompts with 0 < p < 1 is below its
-threshold, unless --force. The flags after -- come last in every command, so they win. A finished run (results.json) is skipped, an
-interrupted one resumes from its checkpoint, a damaged results.json is named, kept aside
+threshold (0.2), unless --force. The flags after -- come last in every command, so they win. A finished run
+(results.json) is skipped, an interrupted one resumes from its checkpoint, a damaged results.json is named, kept aside
 (results.json.damaged-TIME) and the run redone from its checkpoint. A failed run is recorded
 (OUT/logs/<experiment>/<run>.log and .status), the others go on, and the summary names it (exit status 1).
 A lock (OUT/.lock, held for the sweep's life) keeps a second sweep, or a trainer, off the same folder."""
@@ -90,7 +91,7 @@ class Options:
     report_only: bool = False
     preflight: bool = False  # only the preflight
     preflight_prompts: int = 0  # 0: preflight.py's default (256 on a GPU, 8 on the CPU)
-    force: bool = False  # run the sweep whatever the preflight says
+    force: bool = False  # start the sweep without the preflight
     slurm_task: int | None = None
     budget_from: str = ""  # experiment/name of the run whose tokens and steps fill {tokens} and {steps}
     extra: list[str] = field(default_factory=list)
@@ -690,17 +691,17 @@ def main(argv: list[str]) -> int:
     if not o.dry_run:
         o.out.mkdir(parents=True, exist_ok=True)
         take_lock(o.out / ".lock")  # held until this process exits: two sweeps on one folder would run runs twice
-        if o.launcher == "slurm":
+        if o.force:
+            print("preflight: not run (--force)", flush=True)
+        elif o.launcher == "slurm":
             print("preflight: not run under --launcher slurm (this machine may have no GPU): run "
                   "./sweep.sh --preflight with the same options on a GPU node first", flush=True)  # fmt: skip
         else:
             rc = run_preflight(o, pre, reuse=True)
-            if rc == EXIT_NO_SIGNAL and not o.force:
+            if rc == EXIT_NO_SIGNAL:
                 print(refusal(o), file=sys.stderr, flush=True)
                 return EXIT_NO_SIGNAL
-            if rc == EXIT_NO_SIGNAL:
-                print("preflight: refused; --force: running the sweep anyway", flush=True)
-            elif rc != 0:
+            if rc != 0:
                 return rc  # the preflight printed its error line
     s.state = states(runs, o.dry_run)
     jobs = f" ({o.jobs} at once)" if len(slots) > 1 and o.launcher == "seq" else ""
@@ -710,8 +711,9 @@ def main(argv: list[str]) -> int:
         flush=True,
     )
     if o.dry_run:
-        if o.launcher != "slurm":
-            print(f"# preflight first (exit 3 stops the sweep unless --force): {' '.join(pre)}")
+        if o.launcher != "slurm" and not o.force:
+            print(f"# preflight first: {o.budget_from or 'the first grpo.py line'} for seed {o.seeds[0]} (exit 3 stops"
+                  " the sweep unless --force; the same options with --preflight --dry-run show its command)")  # fmt: skip
         for i, run in enumerate(runs):
             if s.state[i] == "finished":
                 print(f"# {run.label}: finished")

@@ -150,6 +150,19 @@ def test_gsm8k_on_the_tiny_model_is_refused_and_a_sweep_stops_before_any_run_fol
     assert sorted(x.name for x in tmp_path.iterdir()) == [".lock", "preflight.json"]  # no run, no plan, no log
 
 
+def test_the_dry_run_shows_the_preflight_as_the_sweep_builds_it(tmp_path):
+    out = tmp_path / "out"
+    proc = sweep("--preflight", "--smoke", "--dry-run", "--out", out, "--", "--lr", "2e-6")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stdout.strip().splitlines()
+    assert "preflight.py --out" in line and " -- grpo.py --run-dir " in line and "--model tiny" in line
+    assert "--group-size 2" in line and "--task toy" in line and line.endswith("--lr 2e-6")  # smoke, then the extra
+    full = sweep("--smoke", "--dry-run", "--out", out)
+    assert "# preflight first: h2h/grpo-group for seed 1" in full.stdout
+    assert "# preflight first" not in sweep("--smoke", "--dry-run", "--force", "--out", out).stdout
+    assert not out.exists()
+
+
 def test_a_model_that_cannot_be_fetched_is_one_error_line(tmp_path):
     proc = sweep("--preflight", "--smoke", "--out", tmp_path, "--", "--model", "no-such-org/no-such-model")
     line = check_one_error_line(proc)
