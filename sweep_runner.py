@@ -5,7 +5,8 @@ a damaged results.json or a run that never saved is set aside, never deleted), t
 reference run, the launchers (one after another, a pool over GPUs or CPU jobs, torchrun, SLURM arrays), the logs
 and status files, the lock on the sweep's folder, the summary, and the call of report.py.
 Does not hold: the experiments or their commands (sweep.sh), any training (the trainers, started as processes),
-the report (report.py). It imports runtime.py only to read results.json and find checkpoints as the trainers do.
+the report (report.py). It imports runtime.py and checkpoint.py only to read results.json and find checkpoints
+as the trainers do.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ Runs the plan in sweep.sh into OUT/<experiment>/<name>-s<seed>, then writes the 
 options:
   --experiments LIST  comma-separated, from {experiments} (default: {default})
   --seeds LIST        comma-separated seeds (default: 1,2,3)
-  --model NAME        the trainers' --model (default: smollm2)
+  --model NAME        the trainers' --model (default: their scale's: qwen2.5-0.5b at study, as on a GPU;
+                      smollm2, the packaged model, at cpu)
   --scale S           the trainers' --scale: auto, study or cpu (default: auto)
   --out DIR           runs and report (default: runs/sweep; runs/smoke with --smoke)
   --launcher L        seq: one run after another (the default)
@@ -79,7 +81,7 @@ class UsageError(Exception):
 class Options:
     experiments: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
-    model: str = "smollm2"
+    model: str = ""  # "": the trainers' scale picks it (study: qwen2.5-0.5b; cpu: smollm2)
     scale: str = "auto"
     out: Path = Path("runs/sweep")
     launcher: str = "seq"
@@ -248,7 +250,8 @@ def states(runs: list[Run], dry_run: bool) -> list[str]:
     """finished (a readable results.json), resume (a checkpoint) or new, per run. A damaged results.json is named
     and renamed aside (never deleted), so the run is redone from its checkpoint; a folder left by a run that died
     before its first checkpoint is renamed aside whole, so the run starts afresh."""
-    import runtime  # torch: seconds to import, so only once the options are good
+    import checkpoint  # torch: seconds to import, so only once the options are good
+    import runtime
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = []
@@ -270,7 +273,7 @@ def states(runs: list[Run], dry_run: bool) -> list[str]:
                 aside = res.with_name(f"results.json.damaged-{stamp}")
                 res.rename(aside)
                 print(f"warning: {problem}; kept as {aside.name}, redoing the run", file=sys.stderr)
-        if runtime.find_checkpoint(run.dir) is not None:
+        if checkpoint.find_checkpoint(run.dir) is not None:
             out.append("resume")
             continue
         if run.dir.is_dir() and any(p.name not in ("tb", ".lock") for p in run.dir.iterdir()):
@@ -322,7 +325,7 @@ def command(o: Options, run: Run, smoke: dict[str, list[str]], budget: tuple[int
     else:
         prefix = [PYTHON]
     cmd = [*prefix, run.script, "--run-dir", str(run.dir), "--seed", str(run.seed)]
-    cmd += ["--model", o.model, "--scale", o.scale, "--no-progress"]
+    cmd += [*(["--model", o.model] if o.model else []), "--scale", o.scale, "--no-progress"]
     if o.smoke:
         cmd += smoke.get("*", []) + smoke.get(run.script, [])
         if "--pairs gold" not in " ".join(run.flags):
@@ -590,7 +593,8 @@ def submit_slurm(s: Sweep) -> None:
     if not o.dry_run and subprocess.run(["sh", "-c", "command -v sbatch"], capture_output=True).returncode != 0:
         raise UsageError("--launcher slurm needs sbatch, which is not on PATH")
     task = o.out / "slurm" / "task.sh"
-    again = ["--experiments", ",".join(o.experiments), "--seeds", ",".join(map(str, o.seeds)), "--model", o.model]
+    again = ["--experiments", ",".join(o.experiments), "--seeds", ",".join(map(str, o.seeds))]
+    again += ["--model", o.model] if o.model else []
     again += ["--scale", o.scale, "--out", str(o.out), "--launcher", "slurm"]
     again += [*(["--gpus", str(o.gpus)] if o.gpus else []), *(["--smoke"] if o.smoke else [])]
     line = f'exec ./sweep.sh {shlex.join(again)} --slurm-task "$SLURM_ARRAY_TASK_ID"'
@@ -707,7 +711,7 @@ def main(argv: list[str]) -> int:
     jobs = f" ({o.jobs} at once)" if len(slots) > 1 and o.launcher == "seq" else ""
     print(
         f"sweep: {len(o.experiments)} experiment(s) ({' '.join(o.experiments)}), seeds {' '.join(map(str, o.seeds))},"
-        f" model {o.model}, scale {o.scale}, launcher {o.launcher}{jobs}: {len(runs)} runs into {o.out}",
+        f" model {o.model or 'of the scale'}, scale {o.scale}, launcher {o.launcher}{jobs}: {len(runs)} runs into {o.out}",
         flush=True,
     )
     if o.dry_run:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, check_ok, check_one_error_line, trainer_env, tree_digest
 
+import checkpoint
 import runtime
 
 CRITICS = ["none", "small", "medium", "large", "full"]
@@ -196,7 +197,7 @@ def test_damaged_interrupted_and_failed_runs_on_the_gpu_pool(smoke, tmp_path):
     (runs / "dpo-self-online-s1" / "results.json").unlink()  # interrupted after its last checkpoint
     failing = runs / "dpo-gold-offline-s1"
     (failing / "results.json").unlink()
-    (failing / runtime.CHECKPOINT / "manifest.json").write_text("{")  # its checkpoint refuses to load
+    (failing / checkpoint.CHECKPOINT / "manifest.json").write_text("{")  # its checkpoint refuses to load
     untouched = tree_digest(runs / "dpo-self-offline-s1")
 
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "nvidia-smi").exists())
@@ -217,7 +218,7 @@ def test_damaged_interrupted_and_failed_runs_on_the_gpu_pool(smoke, tmp_path):
     # the failed run: recorded, named in the summary and the report, its checkpoint left as it was
     assert "FAIL  labels/dpo-gold-offline-s1" in proc.stdout
     assert "unfinished: labels/dpo-gold-offline-s1 (exit 2;" in proc.stdout
-    assert (failing / runtime.CHECKPOINT / "manifest.json").read_text() == "{"
+    assert (failing / checkpoint.CHECKPOINT / "manifest.json").read_text() == "{"
     assert (new / "logs" / "labels" / "dpo-gold-offline-s1.status").read_text().startswith("failed 2")
     md = (new / "report" / "report.md").read_text()
     assert "labels/dpo-gold-offline-s1: failed (exit 2;" in md
