@@ -915,7 +915,8 @@ def monte_carlo(
     the step's uniforms, indexed by the state's global place); everything gathered over ranks, then baseline_error
     per baseline, over every state and over the prompt states and the states inside apart (baseline_error_by_state;
     nmse's denominator and signal_fraction from the 0/1 scores, before any penalty). Returns {"<name><part>/<key>":
-    ...} (part: STATE_PARTS) plus states and tokens, and the MC tokens used on all ranks.
+    ...} (part: STATE_PARTS) plus states, informative_states (those whose K 0/1 scores are not all equal: where a
+    baseline can matter; report.py warns when a run has few) and tokens, and the MC tokens used on all ranks.
     k is at least 2 (check_measurement refuses less before anything loads).
     """
     picked = [
@@ -964,6 +965,7 @@ def monte_carlo(
         out.update({f"{name}{part}/{key}": v for part, err in parts.items() for key, v in err.items()})
     tokens = runtime.all_reduce_sum(torch.tensor([float(used), float(generated)], dtype=torch.float64)).tolist()
     out["states"], out["tokens"], out["tokens_generated"] = float(total), tokens[0], tokens[1]
+    out["informative_states"] = float((cat["signal_var"] > 0).sum())  # states whose K 0/1 scores differ
     return out, int(tokens[0])
 
 

@@ -112,12 +112,24 @@ def run_main(main: Callable[[], Any]) -> None:
 T = TypeVar("T")
 
 
+PRINT_ARGS = "--print-args"  # a trainer's settings as it would run them, one JSON line, then exit 0
+
+
 def cli(cls: type[T], cpu: T, args: Sequence[str] | None = None) -> tuple[T, list[str]]:
     """A trainer's Args from the command line (tyro), its defaults one of two explicit presets: the study's
     (cls()) or the CPU's (`cpu`). --scale cpu, or --scale auto where --device resolves to the CPU, runs the CPU
     preset; --scale study the study's; --help shows the one that runs on this machine. A flag given always wins.
     Returns the args and what the CPU preset changed ("batch_size 512 -> 8"), for the banner and results.json.
-    A bad flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line)."""
+    A bad flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line).
+
+    --print-args (PRINT_ARGS) anywhere among the flags prints {"args": every setting, "scaled": what the preset
+    changed} as one JSON line and exits 0, loading nothing: how the sweep's preflight (preflight.py) reads a plan
+    line's settings without importing a trainer."""
+    flags = list(sys.argv[1:] if args is None else args)
+    if PRINT_ARGS in flags:
+        out, changed = cli(cls, cpu, [f for f in flags if f != PRINT_ARGS])
+        print(json.dumps({"args": dataclasses.asdict(out), "scaled": changed}), flush=True)
+        sys.exit(0)
     on_gpu = torch.cuda.is_available()
     study = cls()
     first = _tyro_cli(cls, study if on_gpu else cpu, args)  # --help stops here, with this machine's preset
@@ -858,10 +870,18 @@ def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scal
 class MetricsLogger:
     """Appends one JSON line per step to run_dir/metrics.jsonl (and TensorBoard scalars when installed)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        resume_step: int | None = None,
+        first_row: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         """resume_step: the checkpoint's step. Rows a killed run logged after it (and a half-written last line)
-        are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again."""
+        are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again.
+        first_row: fields added to the first row this process logs (the trainers: engine.rollout_record)."""
         self.enabled = enabled
+        self.first_row = first_row
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         if enabled and resume_step is not None and self.path.is_file():
@@ -891,6 +911,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        if self.first_row is not None:
+            row.update(self.first_row())
+            self.first_row = None
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
