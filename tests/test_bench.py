@@ -30,6 +30,7 @@ def _env() -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_run_gpu_flow_tiny_cpu(tmp_path):
     out = tmp_path / "out"
     env = {**_env(), "OUT": str(out), "BENCH_ARGS": "--sections sdpa,check,generate,eval,ppo,train"}
