@@ -136,6 +136,7 @@ def test_trl_settings_that_differ_from_grpo_are_listed():
     assert trl_grpo.differences_from_grpo(config, g, 512) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of --device auto without a GPU")
 def test_default_device_without_a_gpu_is_the_cpu(tmp_path):
     out = tmp_path / "throughput.json"
