@@ -33,6 +33,7 @@ import torch
 import tyro
 from tqdm.auto import tqdm
 
+import checkpoint
 import common
 import engine
 import runtime
@@ -65,8 +66,10 @@ class Args:
     """--track: the W&B team or user (default: your own)"""
 
     # --- model and data ---
-    model: str = "smollm2"
-    """smollm2 (the packaged SmolLM2-135M-Instruct GGUF), tiny (random, for tests), a hub id, folder or .gguf"""
+    model: str = "qwen2.5-0.5b"
+    """qwen2.5-0.5b (the study's, from the hub), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (the packaged
+    SmolLM2-135M-Instruct GGUF: the CPU preset's, it shows the pipeline, not the answer), tiny or tiny-qwen2 (random,
+    for tests), a hub id, folder or .gguf"""
     prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"
@@ -160,6 +163,7 @@ def validate(args: Args) -> None:
 
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
 CPU_SCALE = dict(
+    model="smollm2",  # the packaged model: no network
     batch_size=4, samples_per_prompt=4, max_new_tokens=96, total_steps=6, micro_batch_size=4, offline_prompts=16,
     lr=2e-6, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32, eval_max_new_tokens=192, save_every=6,
 )  # fmt: skip
@@ -189,7 +193,7 @@ def main() -> None:
         "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
     })  # fmt: skip
     run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
-    runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
+    checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     if not args.resume and (run_dir / "pairs.jsonl").exists():  # only a resume reuses them, under its own checks
         raise runtime.UserError(
             f"{run_dir} holds pairs.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
@@ -239,7 +243,7 @@ def main() -> None:
     settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
     modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
-        state = runtime.load_checkpoint(run_dir, **modules, map_location=device)
+        state = checkpoint.load_checkpoint(run_dir, **modules, map_location=device)
         counters.update(state["counters"])
     if dist_.main:
         data = f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
@@ -269,7 +273,7 @@ def main() -> None:
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
         state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
-        runtime.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
+        checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
     def sample_pairs(idx: list[int], first: int, n_global: int, step: int, stream: int, lm) -> tuple:
         """This rank's prompts idx (global positions first.. of n_global), sampled K times each by lm ->
@@ -506,7 +510,7 @@ def main() -> None:
             if dist_.main:
                 print(
                     f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
-                    f"checkpoint in {run_dir / runtime.CHECKPOINT}; continue with --resume",
+                    f"checkpoint in {run_dir / checkpoint.CHECKPOINT}; continue with --resume",
                     flush=True,
                 )
             return

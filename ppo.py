@@ -31,6 +31,7 @@ import torch
 import tyro
 from tqdm.auto import tqdm
 
+import checkpoint
 import common
 import engine
 import runtime
@@ -64,8 +65,10 @@ class Args:
     """--track: the W&B team or user (default: your own)"""
 
     # --- model and data ---
-    model: str = "smollm2"
-    """smollm2 (the packaged SmolLM2-135M-Instruct GGUF), tiny (random, for tests), a hub id, folder or .gguf"""
+    model: str = "qwen2.5-0.5b"
+    """qwen2.5-0.5b (the study's, from the hub), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (the packaged
+    SmolLM2-135M-Instruct GGUF: the CPU preset's, it shows the pipeline, not the answer), tiny or tiny-qwen2 (random,
+    for tests), a hub id, folder or .gguf"""
     prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"
@@ -204,6 +207,7 @@ def validate(args: Args) -> None:
 
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
 CPU_SCALE = dict(
+    model="smollm2",  # the packaged model: no network
     batch_size=8, max_new_tokens=96, total_steps=6, micro_batch_size=8, num_minibatches=2, lr=2e-6, mc_every=3,
     mc_prompts=2, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32, eval_max_new_tokens=192, save_every=6,
 )  # fmt: skip
@@ -234,7 +238,7 @@ def main() -> None:
     args.critic_lr = args.critic_lr or (1e-5 if args.critic == "full" else 1e-4)
     G, micro = args.group_size, args.micro_batch
     run_dir = Path(args.run_dir or f"runs/ppo-{args.critic}-s{args.seed}")
-    runtime.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
+    checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     tokenizer = runtime.load_tokenizer(args.model)
@@ -284,7 +288,7 @@ def main() -> None:
     settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
     modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
-        state = runtime.load_checkpoint(run_dir, **modules, map_location=device)
+        state = checkpoint.load_checkpoint(run_dir, **modules, map_location=device)
         counters.update(state["counters"])
         sampler.load_state_dict(state["sampler"])
     if dist_.main:
@@ -315,7 +319,7 @@ def main() -> None:
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"] = time.time() - t_start
         state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
-        runtime.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
+        checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
     show = dist_.main and args.progress
     bar = tqdm(total=args.total_steps, initial=counters["step"], desc="ppo", disable=not show)
@@ -512,7 +516,7 @@ def main() -> None:
             if dist_.main:
                 print(
                     f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
-                    f"checkpoint in {run_dir / runtime.CHECKPOINT}; continue with --resume",
+                    f"checkpoint in {run_dir / checkpoint.CHECKPOINT}; continue with --resume",
                     flush=True,
                 )
             return

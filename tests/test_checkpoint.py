@@ -25,6 +25,7 @@ from helpers import (
     wait_for_first_step,
 )
 
+import checkpoint
 import engine
 import runtime
 from critics import build_critic
@@ -50,7 +51,7 @@ def tiny_training_state(seed: int = 0):
 
 def save(run_dir: Path, state, step: int) -> Path:
     tok, policy, critic, opt, sched = state
-    return runtime.save_checkpoint(
+    return checkpoint.save_checkpoint(
         run_dir,
         policy=policy,
         tokenizer=tok,
@@ -69,14 +70,14 @@ def test_save_is_atomic_and_the_policy_loads_with_transformers(tmp_path):
     tok, policy = state[0], state[1]
     for step in (1, 2):  # the second save replaces the first
         path = save(tmp_path, state, step)
-        assert path == tmp_path / runtime.CHECKPOINT
-        assert sorted(p.name for p in tmp_path.iterdir()) == [runtime.CHECKPOINT], "a temporary folder was left"
+        assert path == tmp_path / checkpoint.CHECKPOINT
+        assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.CHECKPOINT], "a temporary folder was left"
         assert json.loads((path / "state.json").read_text())["counters"]["step"] == step
     manifest = json.loads((path / "manifest.json").read_text())
     files = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()}
     assert set(manifest) == files - {"manifest.json"}
     assert {"policy/model.safetensors", "critic.safetensors", "optimizer.pt", "state.json", "args.json"} <= files
-    runtime.verify_checkpoint(path)
+    checkpoint.verify_checkpoint(path)
 
     loaded = AutoModelForCausalLM.from_pretrained(path / "policy").eval()
     ids = torch.randint(3, len(tok), (2, 10), generator=torch.Generator().manual_seed(1))
@@ -97,7 +98,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save(tmp_path, state, 2)
     assert tree_digest(path) == before
-    runtime.verify_checkpoint(path)
+    checkpoint.verify_checkpoint(path)
 
 
 def test_the_run_folder_is_fsynced_after_the_rename(tmp_path, monkeypatch):
@@ -115,7 +116,7 @@ def test_the_run_folder_is_fsynced_after_the_rename(tmp_path, monkeypatch):
 
 
 def test_every_pt_file_loads_with_weights_only(finished_run):
-    pt_files = sorted((finished_run / runtime.CHECKPOINT).rglob("*.pt"))
+    pt_files = sorted((finished_run / checkpoint.CHECKPOINT).rglob("*.pt"))
     assert {p.name for p in pt_files} >= {"optimizer.pt", "scheduler.pt", "rng.pt"}
     for p in pt_files:
         torch.load(p, weights_only=True)
@@ -162,7 +163,7 @@ SUBPROCESS = ("garbled manifest",)  # the other refusals of a fresh process: tes
 def test_a_damaged_checkpoint_is_refused_and_left_in_place(finished_run, tmp_path, damage):
     run_dir = copy_run(finished_run, tmp_path)
     (run_dir / "results.json").unlink()  # a run killed after its last save (a finished one is not resumed)
-    ckpt = run_dir / runtime.CHECKPOINT
+    ckpt = run_dir / checkpoint.CHECKPOINT
     DAMAGE[damage](ckpt)
     before = tree_digest(run_dir)
     run = run_trainer if damage in SUBPROCESS else run_here  # a fresh process for a few: stderr as a user sees it
@@ -227,7 +228,7 @@ RESUME_RUN = dict(task="toy", critic="small", lr=1e-3, total_steps=4, batch_size
 def load_final(run_dir: Path) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
-    ckpt = run_dir / runtime.CHECKPOINT
+    ckpt = run_dir / checkpoint.CHECKPOINT
     return load_file(ckpt / "policy" / "model.safetensors"), load_file(ckpt / "critic.safetensors")
 
 
@@ -247,8 +248,8 @@ def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
                 proc.kill()
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
-    stopped_at = json.loads((split / runtime.CHECKPOINT / "state.json").read_text())["counters"]["step"]
-    assert f"stopped by SIGTERM after step {stopped_at}; checkpoint in {split / runtime.CHECKPOINT}" in out, out[-3000:]
+    stopped_at = json.loads((split / checkpoint.CHECKPOINT / "state.json").read_text())["counters"]["step"]
+    assert f"stopped by SIGTERM after step {stopped_at}; checkpoint in {split / checkpoint.CHECKPOINT}" in out, out[-3000:]
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert not (split / "results.json").exists()
 
@@ -292,7 +293,7 @@ class _WritesAFile:
 def rehash(ckpt: Path) -> None:
     """What anyone can do to an unsigned manifest: list every file with its new SHA-256."""
     files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json")
-    (ckpt / "manifest.json").write_text(json.dumps({str(p.relative_to(ckpt)): runtime._sha256(p) for p in files}))
+    (ckpt / "manifest.json").write_text(json.dumps({str(p.relative_to(ckpt)): checkpoint._sha256(p) for p in files}))
 
 
 @pytest.mark.parametrize("saved_with_fsdp", [False, True])
@@ -301,7 +302,7 @@ def test_a_crafted_dcp_metadata_pickle_is_refused_and_never_run(finished_run, tm
 
     run_dir = copy_run(finished_run, tmp_path)
     (run_dir / "results.json").unlink()
-    ckpt = run_dir / runtime.CHECKPOINT
+    ckpt = run_dir / checkpoint.CHECKPOINT
     marker = tmp_path / "written-by-the-pickle"
     (ckpt / "dcp").mkdir()
     (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_WritesAFile(str(marker))))
@@ -317,9 +318,9 @@ def test_a_crafted_dcp_metadata_pickle_is_refused_and_never_run(finished_run, tm
 def test_a_genuine_dcp_checkpoint_loads_through_the_restricted_reader(tmp_path):
     """What --fsdp saves (here in one process) still loads: weights and Adam's moments back bitwise."""
     _, policy, critic, opt, _ = tiny_training_state(seed=0)
-    runtime._save_shards(tmp_path / "dcp", policy, critic, opt)
+    checkpoint._save_shards(tmp_path / "dcp", policy, critic, opt)
     _, policy2, critic2, opt2, _ = tiny_training_state(seed=1)
-    runtime._load_shards(tmp_path / "dcp", policy2, critic2, opt2)
+    checkpoint._load_shards(tmp_path / "dcp", policy2, critic2, opt2)
     for a, b in zip(list(policy.state_dict().values()) + list(critic.state_dict().values()),
                     list(policy2.state_dict().values()) + list(critic2.state_dict().values())):  # fmt: skip
         assert torch.equal(a, b)

@@ -30,6 +30,7 @@ import pytest
 import torch
 from helpers import REPO, check_ok, cli, command, run_here, trainer_env, wait_for_first_step
 
+import checkpoint
 import common
 import runtime
 
@@ -138,6 +139,11 @@ def torchrun(script: str, args: list[str], nproc: int = 2) -> subprocess.Complet
     return finish(start(torchrun_cmd(script, args, nproc)))
 
 
+def side_by_side(*cmds: list[str]) -> list[subprocess.CompletedProcess]:
+    """Independent subprocesses at once (each has one thread): their results are the same as one after another."""
+    return [finish(p) for p in [start(c) for c in cmds]]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -177,14 +183,14 @@ def as_ranks(script: str, args: list[str], world: int = 2, timeout: float = 120)
 def weights(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    ckpt = Path(run_dir) / runtime.CHECKPOINT
+    ckpt = Path(run_dir) / checkpoint.CHECKPOINT
     out = {"policy": load_file(ckpt / "policy" / "model.safetensors")}
     if (ckpt / "critic.safetensors").is_file():
         out["critic"] = load_file(ckpt / "critic.safetensors")
     return out
 
 
-def assert_same_weights(one: Path, two: Path, seed: int = 1) -> None:
+def assert_same_weights(one: Path, two: Path, seed: int = 1, model: str = "tiny") -> None:
     """Every tensor of policy (and critic) within REL_TOL, and the runs far from trivial: the policy moved
     from its init by much more than the two runs differ."""
     a, b = weights(one), weights(two)
@@ -195,7 +201,7 @@ def assert_same_weights(one: Path, two: Path, seed: int = 1) -> None:
             diff = (a[part][k] - b[part][k]).abs().max().item()
             scale = a[part][k].abs().max().clamp(min=1e-12).item()
             assert diff <= REL_TOL * scale, f"{part} {k}: max |one - two| = {diff:.3g}, max |one| = {scale:.3g}"
-    init = runtime.load_model("tiny", runtime.load_tokenizer("tiny"), seed=seed).state_dict()
+    init = runtime.load_model(model, runtime.load_tokenizer(model), seed=seed).state_dict()
     moved = torch.cat([(a["policy"][k] - init[k]).abs().flatten() for k in a["policy"]])  # [n parameters]
     differ = torch.cat([(a["policy"][k] - b["policy"][k]).abs().flatten() for k in a["policy"]])
     # Means, not maxima: Adam scales each element's step to about lr whatever its gradient's size, so an element
@@ -271,7 +277,7 @@ def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
         assert res_a[split]["n"] == res_b[split]["n"] == 8
         assert res_a[split]["accuracy"] == res_b[split]["accuracy"]
         assert res_a[split]["samples"] == res_b[split]["samples"]
-    state = json.loads((two / runtime.CHECKPOINT / "state.json").read_text())
+    state = json.loads((two / checkpoint.CHECKPOINT / "state.json").read_text())
     assert state["world"] == 2 and state["counters"]["step"] == 2
 
 
@@ -322,12 +328,12 @@ def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, d
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
     check_ok(finish(straight_run))
-    stopped_at = json.loads((split / runtime.CHECKPOINT / "state.json").read_text())["counters"]["step"]
+    stopped_at = json.loads((split / checkpoint.CHECKPOINT / "state.json").read_text())["counters"]["step"]
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert f"stopped by a signal on another rank after step {stopped_at}" in out, out[-3000:]
     assert not (split / "results.json").exists()
     assert sorted(p.name for p in split.iterdir() if p.name.startswith(".")) == [], "a temporary folder was left"
-    runtime.verify_checkpoint(split / runtime.CHECKPOINT)
+    checkpoint.verify_checkpoint(split / checkpoint.CHECKPOINT)
 
     # saved on two ranks, resumed in one process: the same end as the straight run
     check_ok(one_process("ppo.py", flags(split, data_dir, **SIGTERM_RUN, resume=True)))
@@ -359,8 +365,8 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
     for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True)),
                        "ppo.py", flags(one, data_dir, **FSDP_RUN)):  # fmt: skip
         check_ok(proc)
-    ckpt = two / runtime.CHECKPOINT
-    runtime.verify_checkpoint(ckpt)
+    ckpt = two / checkpoint.CHECKPOINT
+    checkpoint.verify_checkpoint(ckpt)
     assert {p.name for p in (ckpt / "dcp").iterdir()} >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
     assert not (ckpt / "optimizer.pt").exists(), "the optimizer's shards are in dcp/"
     assert_same_weights(one, two)  # policy/ and critic.safetensors, gathered whole on rank 0
@@ -376,6 +382,19 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
                        "ppo.py", flags(one, data_dir, **more, resume=True)):  # fmt: skip
         check_ok(proc)
     assert_same_weights(one, two)
+    assert_same_curve(one, two)
+
+
+@pytest.mark.skipif(fsdp_missing() is not None, reason=str(fsdp_missing()))
+def test_fsdp_shards_qwen2_and_two_ranks_equal_one_process(tmp_path, data_dir):
+    """The study's family under FSDP2: tiny-qwen2 (q/k/v biases, tied embeddings), its decoder layers sharded
+    (Qwen2DecoderLayer, from transformers' _no_split_modules) with the full critic's; one step."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run = dict(FSDP_RUN, model=runtime.TINY_QWEN2, total_steps=1)
+    for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True)), "ppo.py", flags(one, data_dir, **run)):
+        check_ok(proc)
+    assert {p.name for p in (two / checkpoint.CHECKPOINT / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
+    assert_same_weights(one, two, model=runtime.TINY_QWEN2)
     assert_same_curve(one, two)
 
 

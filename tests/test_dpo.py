@@ -25,6 +25,7 @@ from helpers import (
     tree_digest,
 )
 
+import checkpoint
 import common
 import runtime
 
@@ -368,7 +369,7 @@ def test_bad_input_is_one_error_line(tmp_path, case):
     run_dir = tmp_path / "run"
     line = check_one_error_line(run_here("dpo.py", cli(run_dir, DPO_TINY, **flags)))
     assert named in line
-    assert not (run_dir / "results.json").exists() and not (run_dir / runtime.CHECKPOINT).exists()
+    assert not (run_dir / "results.json").exists() and not (run_dir / checkpoint.CHECKPOINT).exists()
 
 
 def test_a_new_run_never_takes_pairs_it_did_not_sample(tmp_path):

@@ -29,6 +29,7 @@ from helpers import (
     tree_digest,
 )
 
+import checkpoint
 import common
 import runtime
 
@@ -67,7 +68,7 @@ def poison(monkeypatch, name: str, calls: set[int]) -> None:
 def saved_weights_finite(run_dir: Path) -> bool:
     from safetensors.torch import load_file
 
-    ckpt = run_dir / runtime.CHECKPOINT
+    ckpt = run_dir / checkpoint.CHECKPOINT
     tensors = list(load_file(ckpt / "policy" / "model.safetensors").values())
     if (ckpt / "critic.safetensors").is_file():
         tensors += list(load_file(ckpt / "critic.safetensors").values())
@@ -97,9 +98,9 @@ def test_a_second_nonfinite_step_stops_the_run_with_exit_3(tmp_path, monkeypatch
     stop_step = 2 if per_step > 1 else 3
     assert line.startswith("error: ") and f"step {stop_step}" in line and "loss" in line, proc.stderr
     assert "Traceback" not in proc.stderr
-    state = json.loads((run_dir / runtime.CHECKPOINT / "state.json").read_text())
+    state = json.loads((run_dir / checkpoint.CHECKPOINT / "state.json").read_text())
     assert state["counters"]["step"] == stop_step - 1, "the last good checkpoint was replaced"
-    runtime.verify_checkpoint(run_dir / runtime.CHECKPOINT)
+    checkpoint.verify_checkpoint(run_dir / checkpoint.CHECKPOINT)
     assert saved_weights_finite(run_dir)
     assert not (run_dir / "results.json").exists()
 
@@ -123,7 +124,7 @@ def test_nonfinite_weights_are_never_saved(tmp_path, monkeypatch):
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and "step 1" in line and "weights" in line, proc.stderr
-    assert not (run_dir / runtime.CHECKPOINT).exists() and not (run_dir / "results.json").exists()
+    assert not (run_dir / checkpoint.CHECKPOINT).exists() and not (run_dir / "results.json").exists()
     assert not list(run_dir.glob(".checkpoint.*"))
 
 
@@ -210,8 +211,8 @@ def test_leftovers_of_killed_saves_are_removed_at_the_next_start(finished_run, t
     run_dir = killed_copy(finished_run, tmp_path)
     import shutil
 
-    shutil.copytree(run_dir / runtime.CHECKPOINT, run_dir / ".checkpoint.tmp-12345")
-    shutil.copytree(run_dir / runtime.CHECKPOINT, run_dir / ".checkpoint.old-23456")
+    shutil.copytree(run_dir / checkpoint.CHECKPOINT, run_dir / ".checkpoint.tmp-12345")
+    shutil.copytree(run_dir / checkpoint.CHECKPOINT, run_dir / ".checkpoint.old-23456")
     check_ok(run_here("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
     assert not list(run_dir.glob(".checkpoint.*")), sorted(p.name for p in run_dir.iterdir())
     assert (run_dir / "results.json").is_file()
@@ -219,13 +220,13 @@ def test_leftovers_of_killed_saves_are_removed_at_the_next_start(finished_run, t
 
 def test_only_a_set_aside_checkpoint_is_refused_unless_resume_from_backup(finished_run, tmp_path):
     run_dir = killed_copy(finished_run, tmp_path)
-    (run_dir / runtime.CHECKPOINT).rename(run_dir / ".checkpoint.old-23456")
+    (run_dir / checkpoint.CHECKPOINT).rename(run_dir / ".checkpoint.old-23456")
     before = tree_digest(run_dir)
     line = check_one_error_line(run_here("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
     assert ".checkpoint.old-23456" in line and "--resume-from-backup" in line
     assert tree_digest(run_dir) == before
     check_ok(run_here("ppo.py", cli(run_dir, **SMALL_RUN, resume=True, resume_from_backup=True)))
-    assert (run_dir / runtime.CHECKPOINT).is_dir() and (run_dir / "results.json").is_file()
+    assert (run_dir / checkpoint.CHECKPOINT).is_dir() and (run_dir / "results.json").is_file()
     assert not list(run_dir.glob(".checkpoint.*"))
 
 

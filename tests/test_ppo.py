@@ -21,6 +21,7 @@ from helpers import (
     step_rows,
 )
 
+import checkpoint
 import common
 import runtime
 from critics import CRITICS
@@ -62,8 +63,8 @@ def test_each_critic_runs_two_steps_with_the_mc_measurement(tmp_path, critic):
         assert r["mc/tokens"] > 0 and r["mc/value/n"] > 2  # the prompts and states inside the completions
         assert (r["vf_loss"] is None) == (critic == "none")
 
-    ckpt = run_dir / runtime.CHECKPOINT
-    runtime.verify_checkpoint(ckpt)
+    ckpt = run_dir / checkpoint.CHECKPOINT
+    checkpoint.verify_checkpoint(ckpt)
     assert json.loads((ckpt / "state.json").read_text())["counters"]["step"] == 2
     assert (ckpt / "critic.safetensors").is_file() == (critic != "none")
 
@@ -259,7 +260,7 @@ def test_critic_warmup_steps_move_the_critic_and_not_the_policy(tmp_path):
     for warmup in (1, 0):
         run_dir = tmp_path / f"warmup-{warmup}"
         check_ok(run_here("ppo.py", cli(run_dir, **flags, critic_warmup_steps=warmup)))
-        ckpt = run_dir / runtime.CHECKPOINT
+        ckpt = run_dir / checkpoint.CHECKPOINT
         policy = load_file(str(ckpt / "policy" / "model.safetensors"))
         critic = load_file(str(ckpt / "critic.safetensors"))
         moved[warmup] = (
