@@ -24,6 +24,7 @@ from typing import Annotated, Any
 import tyro
 
 import common
+import preflight
 import runtime
 
 EXPERIMENTS = ("critic", "h2h", "labels")
@@ -71,6 +72,8 @@ How to read it (the definitions, with formulas: docs/measurement.md):
   measurement tokens never train and are counted apart (mc_tokens in the CSV), as are evaluation tokens.
   **train FLOPs** ~ 6 x trained tokens x trainable parameters (policy + critic: a full critic doubles the trunk);
   **wall time**: the run's own clock. Matched compute is read three ways: tokens (the budget), FLOPs, time.
+  **rollout**: what the run's rollouts ran on (static + CUDA graphs, static, hf; "fell back" names each
+  fallback, its reason in results.json): a slow run is not a slow method; "-" for a run from before the record.
 - **matched compute (h2h)**: for each seed, grpo.py runs first for the scale's steps; its generated tokens are the
   budget. Every PPO critic and online DPO then run with `--token-budget` = that budget (and a step cap 10x GRPO's
   steps, so that the budget ends them); a run stops after the step that reaches the budget, so it can overshoot by
@@ -209,6 +212,7 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "train_flops": float(flops) if flops is not None else float("nan"),
         "correct": [float(c) for c in correct] if isinstance(correct, list) else None,
         "device": str(res.get("device", "")),
+        "rollout": rollout_label(res),
         "model": str(args.get("model", "")),
         "scale": str(args.get("scale", "")),
         "task": str(args.get("task", "")),
@@ -219,6 +223,16 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "mc": mc_summary(rows, method),
         "curve": curve(rows),
     }
+
+
+def rollout_label(res: dict[str, Any]) -> str:
+    """What a run's rollouts ran on (results.json's rollout_backend), its fallbacks named: "static (fell back:
+    cuda_graph)"; "-" for a run from before the record."""
+    backend = res.get("rollout_backend")
+    if backend is None and "rollout_backend" not in res:
+        return "-"
+    fell = sorted({f.get("what", "?") for f in res.get("rollout_fallbacks") or []})
+    return str(backend or "none") + (f" (fell back: {', '.join(fell)})" if fell else "")
 
 
 def run_variant(res: dict[str, Any]) -> str:
@@ -307,6 +321,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tokens_vs_budget": mean([r["generated_tokens"] / r["token_budget"] for r in rs if r["token_budget"]]),
             "mc_tokens": mean([r["mc_tokens"] for r in rs]),
             "wall_time_s": mean([r["wall_time_s"] for r in rs]),
+            "rollout": "; ".join(sorted({r.get("rollout", "-") for r in rs})),
             "critic_params": rs[0]["critic_params"],
         }
         row["train_flops"] = mean([r["train_flops"] for r in rs])
@@ -399,6 +414,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "vs budget",
         "train FLOPs",
         "wall time",
+        "rollout",
         "critic params",
         "vs GRPO (paired) %",
         "nmse [seeds]",
@@ -421,6 +437,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             fmt_num(r["tokens_vs_budget"], 2),
             fmt_tokens(r["train_flops"]),
             fmt_time(r["wall_time_s"]),
+            r.get("rollout", "-"),
             f"{r['critic_params']:,}",
             fmt_signed_interval(r["vs_grpo"], r["vs_grpo_low"], r["vs_grpo_high"]),
             fmt_num(r["nmse"])
@@ -1108,6 +1125,59 @@ def old_run_columns(runs: list[dict[str, Any]]) -> str:
     return "Runs written before the current measurement leave these columns empty: " + "; ".join(parts) + "."
 
 
+def preflight_lines(out: Path) -> list[str]:
+    """report.md's opening: the preflight's numbers (OUT/preflight.json, written by preflight.py), or one line
+    saying that this folder has none."""
+    path = out / "preflight.json"
+    if not path.is_file():
+        return ["", "Preflight: none in this folder (`./sweep.sh --preflight` measures the model's signal first)."]
+    try:
+        p = json.loads(path.read_text())
+        st, pr, thr = p["settings"], p["predicted"], p["threshold"]["informative"]
+
+        def num(x: Any) -> str:
+            return fmt_num(x) if finite(x) else "n/a"
+
+        text = (
+            f"**Preflight** ({path.name}, {p.get('written', '?')}): {st['model']} on {st['task']} at temperature "
+            f"{st['temperature']:g}, {st['max_new_tokens']} new tokens, {p['prompts']} train prompts x "
+            f"{p['samples_per_prompt']}: pass rate {p['pass_rate']:.3f}, signal E[p(1-p)] {p['signal']:.4f}, "
+            f"informative {p['informative']:.2f} ({p['informative_prompts']} prompts with 0 < p < 1); threshold "
+            f"{thr:g}: {'passed' if p['passed'] else 'refused (the sweep ran with --force)'}. Predicted standard "
+            f"error of one run's nmse: GRPO's leave-one-out mean {num(pr['se_nmse_grpo'])} at {pr['prompt_states']} "
+            f"prompt states (its value {num(pr['nmse_grpo'])}), a perfect critic's {num(pr['se_nmse_perfect'])} "
+            f"over {pr['states']} states (K = {pr['mc_samples']})."
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return ["", f"Preflight: {path} is damaged ({type(e).__name__}: {e}); ./sweep.sh --preflight writes it anew."]
+    if not p["passed"]:
+        text += " Too few prompts carry signal: the baselines' errors below rest on little."
+    return ["", text]
+
+
+def informative_warnings(runs: list[dict[str, Any]], out: Path) -> list[str]:
+    """One warning per run whose pooled count of informative states (metrics.jsonl's mc/informative_states over
+    the measurements after the first, as mc_summary pools them) is below what the preflight's threshold implies:
+    threshold x the states it measured (preflight.json's threshold, else preflight.MIN_INFORMATIVE)."""
+    threshold = preflight.MIN_INFORMATIVE
+    try:
+        threshold = float(json.loads((out / "preflight.json").read_text())["threshold"]["informative"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    lines = []
+    for r in sorted(runs, key=lambda r: (*sort_key(r["experiment"], r["run"]), r["seed"])):
+        meas = [row for row in r["rows"] if finite(row.get("mc/informative_states")) and finite(row.get("mc/states"))]
+        meas = meas[1:] if len(meas) > 1 else meas
+        k, n = sum(row["mc/informative_states"] for row in meas), sum(row["mc/states"] for row in meas)
+        if meas and k < threshold * n:
+            lines.append(
+                f"- warning: {r['experiment']}/{Path(r['dir']).name} measured {k:.0f} informative states of {n:.0f} "
+                f"(0 < p < 1; fewer than the {math.ceil(threshold * n)} that the preflight's threshold {threshold:g} "
+                "implies): its baseline error rests on few states"
+            )
+    return ["", *lines] if lines else []
+
+
 def write_report(out: Path, report_dir: Path) -> Path:
     runs, damaged = load_runs(out)
     if not runs:
@@ -1150,6 +1220,8 @@ def write_report(out: Path, report_dir: Path) -> Path:
     )
     lines = [
         f"# Sweep report: {out}",
+        *preflight_lines(out),
+        *informative_warnings(runs, out),
         "",
         f"Written by report.py on {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} finished runs. "
         f"Model: {', '.join(models)}; scale: {', '.join(scales)}; device: {', '.join(devices)}.",
