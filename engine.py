@@ -143,6 +143,35 @@ def _cache_kwarg(model: nn.Module) -> str:
 
 GENERATION_BACKENDS = ("auto", "static", "hf")
 
+# What this process's rollouts ran on: the backends generate() used, in order of first use ("static + CUDA
+# graphs", "static", "hf"), and every fallback of a StaticEngine with its reason. Trainers write it to
+# results.json and metrics.jsonl's first line, the benchmark per variant: a slow run is never read as a slow method.
+_RECORD: dict[str, list] = {"backends": [], "fallbacks": []}
+
+
+def reset_rollout_record() -> None:
+    _RECORD["backends"].clear()
+    _RECORD["fallbacks"].clear()
+
+
+def rollout_record() -> dict[str, Any]:
+    """{"rollout_backend": "static + CUDA graphs" (several joined by ", " in order of first use; None before
+    any generate()), "rollout_fallbacks": [{"what", "kind", "reason"}, ...]}"""
+    return {
+        "rollout_backend": ", ".join(_RECORD["backends"]) or None,
+        "rollout_fallbacks": [dict(f) for f in _RECORD["fallbacks"]],
+    }
+
+
+def _record_backend(name: str) -> None:
+    if name not in _RECORD["backends"]:
+        _RECORD["backends"].append(name)
+
+
+def _is_oom(e: BaseException) -> bool:
+    """An out-of-memory error (possibly wrapped by dynamo): not a compile failure, so not a reason to fall back."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
 
 @torch.no_grad()
 def generate(
@@ -186,11 +215,15 @@ def generate(
     if backend == "static":
         reason = static_engine_unsupported(lm)
         if reason is None:
+            eng = StaticEngine.of(lm)
             with torch.inference_mode(False):  # the backend's buffers outlive this call: no inference tensors
-                return StaticEngine.of(lm).generate(prompts, **kwargs)
+                out = eng.generate(prompts, **kwargs)
+            _record_backend(eng.backend_name)
+            return out
         runtime._notice_once(
             f"the static rollout backend runs Llama and Qwen2 models only ({reason}): using transformers' generation"
         )
+    _record_backend("hf")
     return _generate_hf(lm, prompts, **kwargs)
 
 
@@ -458,6 +491,30 @@ def sample_tokens_fp32(
 
 
 BATCH_BUCKETS = (64, 256, 512, 1024)
+def _tokens_dynamic(*xs: torch.Tensor) -> None:
+    """Mark dimension 1 (the prefill's tokens) of each tensor dynamic for torch.compile (a no-op when eager)."""
+    for x in xs:
+        torch._dynamo.maybe_mark_dynamic(x, 1)
+
+
+def _generator_snapshot(device: torch.device) -> tuple | None:
+    """The device's default CUDA generator and a copy of its state (not in capture mode), or None."""
+    try:
+        gen = torch.cuda.default_generators[device.index or 0]
+        return gen, gen.clone_state()
+    except Exception:  # no such API on this torch: nothing to restore
+        return None
+
+
+def _generator_restore(snapshot: tuple | None) -> None:
+    """Put the generator back on its pre-capture state: a capture that failed before its epilogue leaves it
+    in capture mode, and every later CUDA random call or replay then raises 'Offset increment outside graph
+    capture encountered unexpectedly' (bench/probe_rng.py checks this on the GPU's torch)."""
+    if snapshot is not None:
+        gen, state = snapshot
+        gen.graphsafe_set_state(state)
+
+
 FLEX_BLOCK = 128  # KV slots per block of attention="flex" (the cache's slots are a multiple of 256)
 
 
@@ -534,10 +591,14 @@ class StaticEngine:
             raise ValueError(f"attention must be sdpa or flex, not {attention!r}")
         self.attention = attention
         self._flex: Callable | None = None
+        self._flex_compiled = False
         if attention == "flex":  # compiled on a GPU (the eager flex_attention is a slow reference)
             from torch.nn.attention.flex_attention import flex_attention
 
             self._flex = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention
+            self._flex_compiled = cuda
+        self.fallbacks: list[dict[str, str]] = []  # every fallback of this engine: {"what", "kind", "reason"}
+        self._warmed: set[tuple] = set()  # step keys run once with compile on and no graph (_step_fns)
         self._block_masks: dict[int, Any] = {}
 
         cfg, m = lm.config, lm.model
@@ -620,12 +681,36 @@ class StaticEngine:
             self.gate_up[i, self.inter :].copy_(mlp.up_proj.weight)
             self.down[i].copy_(mlp.down_proj.weight)
 
+    @property
+    def backend_name(self) -> str:
+        """What the decode steps run as now: "static + CUDA graphs" or "static" (eager or compiled layers)."""
+        return "static + CUDA graphs" if self.cuda_graph else "static"
+
+    def _fall_back(self, what: str, message: str, e: BaseException) -> None:
+        """Record a fallback (on this engine and in rollout_record) and say it once, with the real cause."""
+        cause = f"{type(e).__name__}: {e}".split("Set TORCHDYNAMO_VERBOSE")[0].strip().splitlines()
+        reason = " | ".join(line.strip() for line in cause if line.strip())[:600]
+        entry = {"what": what, "kind": "error", "reason": f"{message}: {reason}"}
+        self.fallbacks.append(entry)
+        _RECORD["fallbacks"].append(entry)
+        runtime._notice_once(f"{message} ({reason})")
+
+    def _compile_off(self) -> None:
+        """Eager layers from now on, the compiled flex_attention dropped too (its retry would fail the same way)."""
+        self.compile = False
+        self._set_layer_fns(False)
+        if self._flex_compiled:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            self._flex, self._flex_compiled = flex_attention, False
+
     def _bias(self, i: int) -> torch.Tensor | None:
         """Layer i's fused q/k/v bias [(heads + 2 kv_heads) d], or None (Llama)."""
         return None if self.qkv_b is None else self.qkv_b[i]
 
     def _set_layer_fns(self, compile: bool) -> None:
         """The layer pieces of decode (static shapes) and prefill (dynamic), compiled or eager."""
+        self._prefill_compiled = compile
         if not compile:
             self._pre = self._prefill_pre = _llama_pre_attention
             self._post = self._prefill_post = _llama_post_attention
@@ -633,8 +718,9 @@ class StaticEngine:
         be = self.compile_backend
         self._pre = torch.compile(_llama_pre_attention, dynamic=False, backend=be)
         self._post = torch.compile(_llama_post_attention, dynamic=False, backend=be)
-        self._prefill_pre = torch.compile(_prefill_pre_attention, dynamic=True, backend=be)
-        self._prefill_post = torch.compile(_prefill_post_attention, dynamic=True, backend=be)
+        # prefill: only the token count is dynamic (marked in _prefill); the weights' sizes stay static
+        self._prefill_pre = torch.compile(_prefill_pre_attention, dynamic=None, backend=be)
+        self._prefill_post = torch.compile(_prefill_post_attention, dynamic=None, backend=be)
 
     # ---- buffers -------------------------------------------------------------------------------------
 
@@ -764,19 +850,27 @@ class StaticEngine:
 
     def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Right-padded prompts [n, P] into cache slots [0, P) (slot = position); self.h gets each row's state
-        before its first response token (the final-norm hidden state at slot length - 1).  lengths [n] >= 1"""
+        before its first response token (the final-norm hidden state at slot length - 1).  lengths [n] >= 1
+
+        The layer pieces see the n * P tokens as one row [1, N, H] with N marked dynamic: one dynamic size
+        (a multiple of prompt_bucket, never 0 or 1), the weights' sizes static, so no (rows, width) pair
+        recompiles them, not even one whose size equals a model dimension."""
         n, P = ids.shape
+        N, H, d = n * P, self.hidden_size, self.head_dim
         pos = self.slot_ids[:P].expand(n, P)
-        x = F.embedding(ids, self.embed)  # fp32 [n, P, H]
-        cos, sin = self._rope(pos)
+        x = F.embedding(ids, self.embed).view(1, N, H)  # fp32 [1, N, H]
+        cos, sin = (c.reshape(1, N, 1, d) for c in self._rope(pos))
         for i in range(self.n_layers):
+            _tokens_dynamic(x, cos, sin)
             q, kv = self._prefill_pre(
                 x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv, self._bias(i)
             )
+            kv = kv.view(2, self.n_kv, n, P, d).transpose(1, 2)  # [2, n, kv_heads, P, d]
             self.kv[i, :, :n, :, :P] = kv
-            o = self._prefill_attention(q, kv[0], kv[1])
+            o = self._prefill_attention(q.view(n, P, self.n_heads, d), kv[0], kv[1]).view(1, N, -1)
+            _tokens_dynamic(x, o)
             x = self._prefill_post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
-        last = x[torch.arange(n, device=ids.device), lengths - 1]  # [n, H]
+        last = x.view(n, P, H)[torch.arange(n, device=ids.device), lengths - 1]  # [n, H]
         self.h[:n] = F.rms_norm(last, (self.hidden_size,), self.norm_w, self.eps)
 
     def _decode_step(
@@ -846,34 +940,39 @@ class StaticEngine:
         """{Lk: a callable that runs one decode step}: CUDA graph replays on a GPU, eager calls elsewhere.
         Captures the graphs this call needs and does not have yet (before the call sets its state)."""
         fns = {Lk: functools.partial(self._decode_step, n, Lk, *settings) for Lk in sorted(set(widths))}
-        if not self.cuda_graph:
-            return fns
         t0 = time.perf_counter()
+        if not self.cuda_graph:
+            for Lk, fn in fns.items():  # compiled layers without graphs: compile here, where a failure is caught
+                key = (n, Lk, *settings)
+                if (self.compile or self._flex_compiled) and key not in self._warmed:
+                    self._warm_up(fn, n, reps=1)
+                    self._warmed.add(key)
+            self.compile_seconds += time.perf_counter() - t0
+            return fns
+        replays = {}
         for Lk, fn in fns.items():
             key = (n, Lk, *settings)
             if key not in self.graphs:
                 replay = self._capture(fn, n)
-                if replay is None:  # the capture failed: the eager step from now on
+                if replay is None:  # the capture failed: every step of this call (and later ones) eager
                     return fns
                 self.graphs[key] = replay
-            fns[Lk] = self.graphs[key]
+            replays[Lk] = self.graphs[key]
         self.compile_seconds += time.perf_counter() - t0
-        return fns
+        return replays
 
-    def _warm_up(self, fn: Callable, n: int) -> None:
-        """Run a step a few times (compiles, lets libraries allocate); a compile failure falls back to eager layers."""
+    def _warm_up(self, fn: Callable, n: int, reps: int = 3) -> None:
+        """Run a step a few times (compiles, lets libraries allocate); a compile failure falls back to eager
+        layers (and eager flex_attention). An out-of-memory error is raised as it is: memory, not the compiler."""
         try:
-            for _ in range(3):
+            for _ in range(reps):
                 self._safe_state(n)
                 fn()
         except Exception as e:  # an inductor or triton failure must not stop training: run the eager layers
-            if not self.compile:
+            if not (self.compile or self._flex_compiled) or _is_oom(e):
                 raise
-            runtime._notice_once(
-                f"torch.compile of the decode step failed ({type(e).__name__}: {e}); using eager layers"
-            )
-            self.compile = False
-            self._set_layer_fns(False)
+            self._fall_back("compile", "torch.compile of the decode step failed; using eager layers", e)
+            self._compile_off()
             self._safe_state(n)
             fn()
 
@@ -886,6 +985,7 @@ class StaticEngine:
         current = torch.cuda.current_stream(self.device)
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
+        rng = _generator_snapshot(self.device)
         try:
             with torch.cuda.stream(side):
                 self._warm_up(fn, n)
@@ -894,20 +994,39 @@ class StaticEngine:
                 graph.capture_begin(pool=self.pool)
                 try:
                     fn()
-                finally:
-                    graph.capture_end()
+                except BaseException:  # end the capture; its own (generic) error must not hide the cause
+                    try:
+                        graph.capture_end()
+                    except Exception:
+                        pass
+                    raise
+                graph.capture_end()
         except Exception as e:
             current.wait_stream(side)
-            runtime._notice_once(
-                f"CUDA graph capture of the decode step failed ({type(e).__name__}: {e}); running it eagerly"
-            )
-            self.cuda_graph = False
+            _generator_restore(rng)  # a capture that never reached its epilogue leaves it in capture mode
+            del graph
             self.release_graphs()
+            if _is_oom(e):  # memory, not the graph: raised as it is, the graph path kept for a later call
+                raise
+            self._fall_back("cuda_graph", "CUDA graph capture of the decode step failed; running it eagerly", e)
+            self.cuda_graph = False
             return None
         current.wait_stream(side)
         torch.cuda.synchronize(self.device)
         self.captures += 1
         return graph.replay
+
+    def _prefill_or_eager(self, ids: torch.Tensor, lens: torch.Tensor) -> None:
+        """_prefill; a failure of its compiled layer pieces (not out-of-memory) falls back to the eager ones."""
+        try:
+            self._prefill(ids, lens)
+        except Exception as e:
+            if not self._prefill_compiled or _is_oom(e):
+                raise
+            self._fall_back("prefill_compile", "torch.compile of the prefill failed; using eager prefill", e)
+            self._prefill_pre, self._prefill_post = _llama_pre_attention, _llama_post_attention
+            self._prefill_compiled = False
+            self._prefill(ids, lens)
 
     def _clock(self) -> float:
         if self.timing and self.device.type == "cuda":
@@ -1005,7 +1124,7 @@ class StaticEngine:
             self.out_hidden[:n].zero_()
 
         t0 = self._clock()
-        self._prefill(ids, lens)
+        self._prefill_or_eager(ids, lens)
         t1 = self._clock()
         steps = 0
         for t in range(T):

@@ -274,8 +274,11 @@ def main() -> None:
         }
         print(runtime.describe_run("GRPO", args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
-    resume_step = counters["step"] if args.resume else None
-    logger = runtime.MetricsLogger(run_dir, dist_.main, resume_step, track=args)
+    engine.reset_rollout_record()  # this run's rollouts only (tests run several trainers in one process)
+    logger = runtime.MetricsLogger(
+        run_dir, dist_.main, resume_step=counters["step"] if args.resume else None, first_row=engine.rollout_record,
+        track=args,
+    )  # the first line says what the rollouts ran on
     ctx = runtime.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
@@ -488,6 +491,7 @@ def main() -> None:
             "critic_params": runtime.count_params(critic),
             "args": args_dict,
             "scaled_down": scaled,
+            **engine.rollout_record(),  # the rollout backend actually used, every fallback and its reason
         }
         runtime.write_results(run_dir, results, test, device, world)
     logger.close()

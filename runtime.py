@@ -907,11 +907,20 @@ class MetricsLogger:
     """Appends one JSON line per step to run_dir/metrics.jsonl, the same numbers as TensorBoard scalars
     (run_dir/tb/), and to Weights & Biases when the trainer runs with --track."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None, track: Any = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        resume_step: int | None = None,
+        first_row: Callable[[], dict[str, Any]] | None = None,
+        track: Any = None,
+    ) -> None:
         """resume_step: the checkpoint's step. Rows a killed run logged after it (and a half-written last line)
-        are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again. track: the
-        trainer's args (W&B only with --track: start_tracking)."""
+        are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again.
+        first_row: fields added to the first row this process logs (the trainers: engine.rollout_record).
+        track: the trainer's args (W&B only with --track: start_tracking)."""
         self.enabled = enabled
+        self.first_row = first_row
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         self.wandb = None
@@ -943,6 +952,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        if self.first_row is not None:
+            row.update(self.first_row())
+            self.first_row = None
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         scalars = metric_scalars(row)

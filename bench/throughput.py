@@ -53,7 +53,17 @@ import common  # noqa: E402
 import engine  # noqa: E402
 import runtime  # noqa: E402
 
-SECTIONS = ("sdpa", "check", "generate", "hf_static", "eval", "grpo", "ppo", "train")
+SECTIONS = ("sdpa", "check", "generate", "hf_static", "eval", "grpo", "ppo", "toy", "trl", "train")
+VARIANTS = ("engine", "engine_flex", "engine_no_compile", "hf_dynamic")  # the generate section's, in this order
+ENGINE_OPTS = {"engine": {}, "engine_flex": {"attention": "flex"}, "engine_no_compile": {"compile": False}}
+
+# What the TRL ratio does not hold equal, printed beside it (issue 21's review of both sides)
+TRL_CAVEATS = (
+    "TRL generates with transformers' generate() (no vLLM, no static cache); grpo.py with its static engine",
+    "optimizer steps per generation: grpo.py --num-minibatches (4 here), TRL 1 unless steps_per_generation",
+    "prompt order: grpo.py's seeded sampler, TRL's own shuffled sampler (different prompts per step)",
+    "both medians over the steps after --warmup-steps of --trainer-steps (the same count on each side)",
+)
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "hf_static")
 
 # generate() with a static cache and torch.compile at batch 512 x 256 on one H200, as issue 13 reports it (the
@@ -85,9 +95,15 @@ class Args:
     data_dir: str | None = None
     """GSM8K folder (default: $GSM8K_DIR)"""
     sections: str = ",".join(DEFAULT_SECTIONS)
-    """comma-separated sections to run, from: sdpa, check, generate, hf_static, eval, grpo, ppo, train"""
+    """comma-separated sections to run, from: sdpa, check, generate, hf_static, eval, grpo, ppo, toy, trl, train"""
+    variants: str = ",".join(VARIANTS)
+    """the generate section's variants, from: engine, engine_flex (GPU only), engine_no_compile, hf_dynamic"""
     out: str = "bench/out/throughput.json"
-    """the JSON report"""
+    """the JSON report (rewritten after every variant and trainer run)"""
+    merge: bool = False
+    """keep the sections an earlier process wrote to --out (run_gpu.sh's parts share one throughput.json)"""
+    require_toy_rise: bool = False
+    """exit 1 when the toy section's reward did not rise (run_gpu.sh on a GPU)"""
     work_dir: str = "bench/out/work"
     """trainer runs and logs"""
     deadline_s: float = 0.0
@@ -116,8 +132,10 @@ class Args:
     """grpo.py's own arguments ({prompts}, {group} filled in; pass as --grpo-args="...")"""
     ppo_args: str = "--critic small --group-size 1 --batch-size {completions}"
     """ppo.py's own arguments ({completions} filled in)"""
-    trl_steps: int = 3
-    """TRL optimiser steps (the first is left out)"""
+    toy_steps: int = 20
+    """steps of the toy GRPO run (the toy section: the GPU training path learning end to end)"""
+    toy_args: str = "--task toy --group-size 8 --batch-size 16 --max-new-tokens 16 --lr 1e-5 --kl-coef 0"
+    """grpo.py's arguments in the toy section (after the shared ones; pass as --toy-args="...")"""
     eval_size: int = 0
     """test problems in the eval section (0: all 1,319)"""
     eval_batch_size: int = 512
@@ -145,7 +163,8 @@ def apply_tiny(args: Args) -> None:
         group=2,
         trainer_steps=3,
         warmup_steps=1,
-        trl_steps=2,
+        toy_steps=8,
+        toy_args="--task toy --group-size 8 --batch-size 4 --max-new-tokens 4 --lr 1e-2 --kl-coef 0",
         eval_size=16,
         eval_batch_size=8,
         eval_max_new_tokens=24,
@@ -184,6 +203,11 @@ class Bench:
             "settings": asdict(args),
             "sections": {},
         }
+        if args.merge and Path(args.out).is_file():  # an earlier part's sections stay in the report
+            earlier = json.loads(Path(args.out).read_text())
+            self.report["sections"] = earlier.get("sections", {})
+            self.report["parts"] = earlier.get("parts", {})
+        self.current: dict[str, Any] = {}  # the running section's dict in the report (filled as it measures)
         Path(args.work_dir).mkdir(parents=True, exist_ok=True)
 
     def prompts(self, n: int, split: str = "train") -> list[list[int]]:
@@ -259,7 +283,7 @@ def ratios(sections: dict[str, Any]) -> dict[str, float | None]:
         "logprob_abs_error_max": check.get("max"),
         "engine_compiled_over_graph_only": _div(engine, gen.get("engine_no_compile", {}).get("tokens_per_s")),
         "grpo_step_s": grpo_s,
-        "trl_step_over_grpo_step": _div(grpo.get("trl", {}).get("step_s"), grpo_s),
+        "trl_step_over_grpo_step": _div((sections.get("trl") or grpo.get("trl") or {}).get("step_s"), grpo_s),
         "ppo_step_over_grpo_step": _div(ppo.get("ppo", {}).get("step_s"), grpo_s),
         "eval_full_test_s": ev.get("warm_s"),
         "eval_hf_over_engine": _div(ev.get("hf_s"), ev.get("warm_s")),
@@ -279,17 +303,38 @@ def print_table(report: dict[str, Any]) -> None:
         if key == "engine_over_hf_static_compiled" and value is not None and "hf_static" not in report["sections"]:
             rows.append(("  (hf_static)", "anchor", HF_STATIC_ANCHOR["source"][:40], ""))
         if key == "trl_step_over_grpo_step":
-            trl = report["sections"].get("grpo", {}).get("trl", {})
+            trl = report["sections"].get("trl") or report["sections"].get("grpo", {}).get("trl", {})
+            grpo = report["sections"].get("grpo", {}).get("grpo", {})
+            if value is not None:
+                steps = f"TRL {trl.get('steps_timed')} steps, grpo.py {grpo.get('steps_timed')}"
+                rows.append(("  steps in the medians", steps[:12], steps[12:52], ""))
+                for caveat in trl.get("caveats") or TRL_CAVEATS:
+                    rows.append(("  caveat", "", caveat, ""))
             for name, pair in (trl.get("differs_from_grpo") or {}).items():
                 rows.append((f"  TRL {name}", str(pair.get("trl"))[:12], f"grpo.py: {pair.get('grpo.py')}"[:40], ""))
+    for name, part in (report.get("parts") or {}).items():
+        if part.get("rc") != 0:
+            why = "killed by its time limit" if part.get("rc") in (124, 137) else f"exit {part.get('rc')}"
+            rows.append((f"part {name}", "STOPPED", f"{why} after {part.get('seconds')} s", ""))
     for name, sec in report["sections"].items():
         for key, val in sec.items():
+            ran = isinstance(val, dict) and (val.get("backend") or val.get("rollout_backend"))
+            if ran:  # what the variant or trainer ran as, and why it fell back
+                fell = "; ".join(f["reason"] for f in val.get("fallbacks") or val.get("rollout_fallbacks") or [])
+                rows.append((f"ran as: {name}/{key}", ran[:12], ("FELL BACK: " + fell)[:80] if fell else "", ""))
             if isinstance(val, dict) and val.get("peak_gib") is not None:
                 rows.append((f"peak GiB: {name}/{key}", f"{val['peak_gib']:.2f}", "", ""))
             if isinstance(val, dict) and val.get("skipped"):
                 rows.append((f"{name}/{key}", "skipped", val["skipped"][:60], ""))
         if sec.get("skipped"):
             rows.append((name, "skipped", sec["skipped"][:60], ""))
+        if sec.get("running"):
+            rows.append((name, "UNFINISHED", sec["running"][:60], ""))
+        if name == "toy" and sec.get("reward_rose") is not None:
+            rise = f"{sec['reward_first']:.3f} -> {sec['reward_last']:.3f}"
+            rows.append(
+                ("toy reward (first -> last third)", "rose" if sec["reward_rose"] else "DID NOT RISE", rise, "")
+            )
         if sec.get("error"):
             rows.append((name, "ERROR", sec["error"][:60], ""))
         for key, val in sec.items():
@@ -350,23 +395,26 @@ def section_generate(b: Bench) -> dict[str, Any]:
     B, T = b.args.batch, b.args.new_tokens
     prompts = b.prompts(B)
     u = engine.step_uniforms(0, 0, 0, B, T, b.device)
-    out: dict[str, Any] = {"batch": B, "new_tokens": T, "mean_prompt_tokens": sum(map(len, prompts)) / B}
-    variants = [("engine", {})]
-    if b.cuda:  # flex: each row reads only its valid KV blocks (not yet the default: first measured here)
-        variants += [("engine_flex", {"attention": "flex"}), ("engine_no_compile", {"compile": False})]
-    for name, opts in variants:
-        if name != "engine" and b.over_deadline():
+    out = b.current  # the report's own dict: each variant is in throughput.json once measured
+    out.update(batch=B, new_tokens=T, mean_prompt_tokens=sum(map(len, prompts)) / B)
+    for name in [v.strip() for v in b.args.variants.split(",") if v.strip()]:
+        if name == "engine_flex" and not b.cuda:  # flex: each row reads only its valid KV blocks (GPU only)
+            out[name] = {"skipped": "flex attention runs on a GPU only"}
+        elif b.over_deadline():
             out[name] = {"skipped": b.over_deadline()}
-            continue
-        try:
-            out[name] = _time_engine(b, prompts, u, opts, name)
-        except Exception as e:  # one variant failing must not lose the others
-            import traceback
+        else:
+            print(f"[{name}] ...", flush=True)
+            try:
+                if name == "hf_dynamic":
+                    out[name] = _hf_generate(b, prompts, T, static=False)
+                else:
+                    out[name] = _time_engine(b, prompts, u, ENGINE_OPTS[name], name)
+            except Exception as e:  # one variant failing must not lose the others
+                import traceback
 
-            traceback.print_exc()
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
+                traceback.print_exc()
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
         b.save()
-    out["hf_dynamic"] = _hf_generate(b, prompts, T, static=False)
     return out
 
 
@@ -379,12 +427,19 @@ def _time_engine(b: Bench, prompts: list[list[int]], u: torch.Tensor, opts: dict
     run = lambda: eng.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=b.pad, uniforms=u)  # noqa: E731
     first_s, ro = b.timed(run)
     assert int(ro.lengths.sum()) == B * T
+    ran = {"backend": eng.backend_name, "compile": eng.compile, "fell_back": bool(eng.fallbacks)}
+    ran["fallbacks"] = list(eng.fallbacks)
+    b.current[name] = {"first_call_s": first_s, **ran}  # on the record before the timed calls
+    b.save()
     eng.timing = True
     times, decode = [], []
     for _ in range(b.args.reps):
         times.append(b.timed(run)[0])
         decode.append(eng.last_timing["decode_s"] / eng.last_timing["steps"])
-    floor = decode_floor(eng, [len(p) for p in prompts], T, count_step_ops(eng, prompts[:4], b.pad))
+    eager_ops = count_step_ops(eng, prompts[:4], b.pad)
+    kernels, source = count_step_kernels(eng, prompts[:4], b.pad)
+    floor = decode_floor(eng, [len(p) for p in prompts], T, kernels if kernels else eager_ops)
+    floor["ops_per_step_eager"], floor["ops_per_step"], floor["ops_source"] = eager_ops, floor["ops"], source
     floor["measured_ms"] = 1e3 * _median(decode)
     floor["prefill_ms_measured"] = 1e3 * eng.last_timing["prefill_s"]
     print(
@@ -392,7 +447,10 @@ def _time_engine(b: Bench, prompts: list[list[int]], u: torch.Tensor, opts: dict
         f"({floor['explain']})",
         flush=True,
     )
+    ran.update(backend=eng.backend_name, compile=eng.compile, fell_back=bool(eng.fallbacks))
+    ran["fallbacks"] = list(eng.fallbacks)
     return {
+        **ran,
         "first_call_s": first_s,
         "capture_and_compile_s": eng.compile_seconds,
         "seconds": _median(times),
@@ -430,13 +488,41 @@ def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int)
     return counts[-1]
 
 
+def count_step_kernels(eng: engine.StaticEngine, prompts: list[list[int]], pad: int) -> tuple[int | None, str]:
+    """The GPU kernels one decode step of this variant launches (its own compile and attention settings, run
+    without a graph under torch.profiler), or (None, why) where that cannot be counted (the CPU): then the
+    expected line uses the eager ATen op count, an upper bound for a compiled variant."""
+    if eng.device.type != "cuda":
+        return None, "eager ATen ops (no GPU: kernels not counted)"
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        probe = engine.StaticEngine(
+            eng._lm(), cuda_graph=False, compile=eng.compile, attention=eng.attention, check_every=1000
+        )
+        step, counts = probe._decode_step, []
+
+        def counted(*a):
+            torch.cuda.synchronize(eng.device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step(*a)
+                torch.cuda.synchronize(eng.device)
+            counts.append(sum(1 for e in prof.events() if e.device_type.name == "CUDA"))
+
+        probe._decode_step = counted
+        probe.generate(prompts, max_new_tokens=3, eos_id=-1, pad_id=pad)
+        return counts[-1], "CUDA kernels of one step of this variant (torch.profiler, no graph)"
+    except Exception as e:  # a profiler problem must not lose the measurement
+        return None, f"eager ATen ops (kernel count failed: {type(e).__name__}: {e})"[:200]
+
+
 def decode_floor(eng: engine.StaticEngine, prompt_lens: list[int], T: int, ops: int) -> dict[str, Any]:
     """The decode step's time from arithmetic on H200's datasheet: max(bytes / bandwidth, FLOPs / peak) plus
     a launch gap per kernel, averaged over T steps. Bytes: every weight matrix and the LM head once; the KV
     slots (valid: each row's prompt + t + 1; read by this engine: the longest row's chunk for every row with
     SDPA, each row's own FLEX_BLOCK blocks with flex); the fp32 logits' passes (write, log-softmax read and
-    write, block sums, gather: ~5 x rows x V x 4). Kernels: the ATen ops of one eager step (compile fuses
-    some, so this bounds the gaps from above)."""
+    write, block sums, gather: ~5 x rows x V x 4). Kernels (ops): the variant's own kernel count on a GPU
+    (count_step_kernels), else the ATen ops of one eager step (compile fuses some: an upper bound)."""
     elt = torch.finfo(eng.dtype).bits // 8
     rows = eng.rows_for(len(prompt_lens))
     lens = list(prompt_lens) + [1] * (rows - len(prompt_lens))  # extra rows hold one token
@@ -465,7 +551,7 @@ def decode_floor(eng: engine.StaticEngine, prompt_lens: list[int], T: int, ops: 
         "bytes_valid": bytes_valid,
         "bytes_read": bytes_read,
         "flops": flops,
-        "ops_per_step_eager": ops,
+        "ops": ops,
         "memory_ms": 1e3 * t_mem,
         "memory_ms_valid_only": 1e3 * bytes_valid / hw["hbm_bytes_per_s"],
         "flops_ms": 1e3 * t_flop,
@@ -473,7 +559,7 @@ def decode_floor(eng: engine.StaticEngine, prompt_lens: list[int], T: int, ops: 
         "expected_ms": 1e3 * (max(t_mem, t_flop) + t_kern),
         "assumptions": hw,
         "explain": f"{bytes_read / 1e9:.2f} GB read ({bytes_valid / 1e9:.2f} GB valid), {flops / 1e12:.3f} TFLOP, "
-        f"{ops} eager ops",
+        f"{ops} kernels",
     }
 
 
@@ -617,9 +703,17 @@ def run_trainer(b: Bench, script: str, extra: list[str], name: str) -> dict[str,
     rows = []
     if (run_dir / "metrics.jsonl").is_file():
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "time/step" in r]
-    kept = rows[b.args.warmup_steps :]
     out: dict[str, Any] = {"command": cmd, "returncode": code, "wall_s": time.perf_counter() - t0}
+    if rows:  # the first line says what the rollouts ran on
+        out["rollout_backend"] = rows[0].get("rollout_backend")
+        out["rollout_fallbacks"] = rows[0].get("rollout_fallbacks")
+    if (run_dir / "results.json").is_file():  # the whole run's record, when it finished
+        res = json.loads((run_dir / "results.json").read_text())
+        out["rollout_backend"] = res.get("rollout_backend", out.get("rollout_backend"))
+        out["rollout_fallbacks"] = res.get("rollout_fallbacks", out.get("rollout_fallbacks"))
+    rows = [r for r in rows if "time/step" in r]
+    out["rewards"] = [r.get("reward") for r in rows]
+    kept = rows[b.args.warmup_steps :]
     if code != 0 or not kept:  # the step times it logged are kept beside the error
         out["error"] = f"exit {code}, {len(rows)} steps logged: " + log.read_text()[-1500:]
         out["step_times_logged"] = [r["time/step"] for r in rows]
@@ -641,11 +735,34 @@ def _fill(template: str, **values: int) -> list[str]:
 
 def section_grpo(b: Bench) -> dict[str, Any]:
     a = b.args
-    out: dict[str, Any] = {"prompts": a.grpo_prompts, "group": a.group, "new_tokens": a.new_tokens}
+    out = b.current
+    out.update(prompts=a.grpo_prompts, group=a.group, new_tokens=a.new_tokens)
     out["grpo"] = run_trainer(b, "grpo.py", _fill(a.grpo_args, prompts=a.grpo_prompts, group=a.group), "grpo")
-    b.save()
-    out["trl"] = run_trl(b)
     return out
+
+
+def section_trl(b: Bench) -> dict[str, Any]:
+    """TRL's GRPOTrainer at grpo.py's sizes and step count, with what the ratio does not hold equal."""
+    return {**run_trl(b), "caveats": list(TRL_CAVEATS)}
+
+
+def reward_rise(rewards: list[float | None]) -> dict[str, Any]:
+    """The mean reward of the last third of the steps against the first third's."""
+    r = [x for x in rewards if x is not None]
+    k = max(1, len(r) // 3)
+    if len(r) < 2:
+        return {"reward_first": None, "reward_last": None, "reward_rose": None}
+    first, last = sum(r[:k]) / k, sum(r[-k:]) / k
+    return {"reward_first": first, "reward_last": last, "reward_rose": last > first}
+
+
+def section_toy(b: Bench) -> dict[str, Any]:
+    """A short GRPO run on --task toy (reward 1 when a target token appears): the training path learning end
+    to end on this device (GSM8K cannot show it on the packaged model)."""
+    a = b.args
+    extra = shlex.split(a.toy_args) + ["--total-steps", str(a.toy_steps), "--micro-batch-size", "32"]
+    out = run_trainer(b, "grpo.py", extra, "toy")
+    return {**out, **reward_rise(out.get("rewards") or [])}
 
 
 def section_ppo(b: Bench) -> dict[str, Any]:
@@ -670,7 +787,14 @@ def run_trl(b: Bench) -> dict[str, Any]:
     out_json = Path(a.work_dir) / "trl.json"
     cmd = [sys.executable, "bench/trl_grpo.py", "--model-dir", str(model_dir), "--out", str(out_json)]
     cmd += ["--device", b.device.type, "--prompts", str(a.grpo_prompts), "--generations", str(a.group)]
-    cmd += ["--max-new-tokens", str(a.new_tokens), "--steps", str(a.trl_steps), "--run-dir", f"{a.work_dir}/trl-run"]
+    cmd += [
+        "--max-new-tokens",
+        str(a.new_tokens),
+        "--steps",
+        str(a.trainer_steps),
+        "--run-dir",
+        f"{a.work_dir}/trl-run",
+    ]
     cmd += ["--micro-batch-size", str(min(64, a.grpo_prompts * a.group))]
     cmd += ["--grpo-args", f"{a.update_args} {a.grpo_args.format(prompts=a.grpo_prompts, group=a.group)}"]
     if a.data_dir:
@@ -686,8 +810,8 @@ def run_trl(b: Bench) -> dict[str, Any]:
     if code != 0 or not out_json.is_file():
         return {"command": cmd, "error": f"exit {code}: " + log.read_text()[-1500:]}
     res = json.loads(out_json.read_text())
-    kept = res["step_seconds"][1:] or res["step_seconds"]
-    return {"command": cmd, "step_s": _median(kept), **res}
+    kept = res["step_seconds"][a.warmup_steps :] or res["step_seconds"]  # the same steps as grpo.py's median
+    return {"command": cmd, "step_s": _median(kept), "steps_timed": len(kept), **res}
 
 
 def section_train(b: Bench) -> dict[str, Any]:
@@ -729,8 +853,16 @@ def section_train(b: Bench) -> dict[str, Any]:
 def main() -> None:
     args = tyro.cli(Args)
     if args.table_from:
-        report = json.loads(Path(args.table_from).read_text())
+        path = Path(args.table_from)
+        report = json.loads(path.read_text()) if path.is_file() else {"sections": {}, "device": "?", "model": "?"}
+        report.setdefault("dtype", "?")
+        parts = path.with_name("parts.tsv")  # run_gpu.sh: one line per part, "name exit-status seconds"
+        if parts.is_file():
+            report["parts"] = {
+                n: {"rc": int(rc), "seconds": int(t)} for n, rc, t in map(str.split, parts.read_text().splitlines())
+            }
         report["ratios"] = ratios(report["sections"])
+        runtime.write_json_atomic(path, report)
         print_table(report)
         return
     if args.tiny:
@@ -739,6 +871,9 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:
         raise SystemExit(f"unknown sections {unknown}: choose from {', '.join(SECTIONS)}")
+    bad = sorted({v.strip() for v in args.variants.split(",") if v.strip()} - set(VARIANTS))
+    if bad:
+        raise SystemExit(f"unknown variants {bad}: choose from {', '.join(VARIANTS)}")
     b = Bench(args)
     print(f"device {b.report['device']}, model {b.model_name}, sections {', '.join(chosen)}", flush=True)
     fns = {
@@ -749,6 +884,8 @@ def main() -> None:
         "eval": section_eval,
         "grpo": section_grpo,
         "ppo": section_ppo,
+        "toy": section_toy,
+        "trl": section_trl,
         "train": section_train,
     }
     for name in SECTIONS:  # always in this order
@@ -760,20 +897,31 @@ def main() -> None:
             continue
         print(f"-- {name} ({elapsed:.0f} s in)", flush=True)
         t0 = time.perf_counter()
-        b.report["sections"][name] = {}
+        sec = b.report["sections"].get(name, {}) if args.merge else {}  # --merge: a part adds its variants
+        sec.pop("error", None)
+        b.current = b.report["sections"][name] = sec  # filled as the section measures
+        sec["running"] = f"started at {elapsed:.0f} s; still running when throughput.json was last written"
+        b.save()
         try:
-            b.report["sections"][name] = fns[name](b)
-        except Exception as e:  # one failing section must not lose the others
+            res = fns[name](b)
+            if res is not sec:
+                sec.update(res)
+        except Exception as e:  # one failing section must not lose the others, nor its own finished parts
             import traceback
 
             traceback.print_exc()
-            b.report["sections"][name] = {"error": f"{type(e).__name__}: {e}"}
-        b.report["sections"][name]["section_s"] = time.perf_counter() - t0
+            sec["error"] = f"{type(e).__name__}: {e}"
+        sec.pop("running", None)
+        sec["section_s"] = time.perf_counter() - t0
         b.save()
         print(json.dumps({name: b.report["sections"][name]}, default=str)[:2000], flush=True)
     b.save()
     print_table(b.report)
     print(f"\nwritten: {args.out}")
+    toy = b.report["sections"].get("toy", {})
+    if args.require_toy_rise and "toy" in chosen and toy.get("reward_rose") is not True:
+        print(f"error: the toy run's reward did not rise ({toy.get('reward_first')} -> {toy.get('reward_last')})")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

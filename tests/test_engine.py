@@ -267,6 +267,9 @@ def test_cuda_graph_equals_eager_step_and_sees_new_weights(lm, tok, compile):
     a2, b2 = graph.generate(prompts, **kw), eager.generate(prompts, **kw)
     assert torch.equal(a2.response_ids, b2.response_ids), "the graph ran stale weights"
     assert not torch.equal(a2.response_ids, a.response_ids)
+    for eng in (graph, eager):  # a compile or capture that fell back would pass the comparisons above
+        assert eng.compile == compile and not eng.fallbacks, eng.fallbacks
+    assert graph.cuda_graph and graph.backend_name == "static + CUDA graphs"
 
 
 def test_lm_head_in_bf16_accumulates_in_fp32():

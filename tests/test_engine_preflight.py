@@ -56,12 +56,16 @@ def make_prompts(lengths) -> list[list[int]]:
 class _Tape(TorchDispatchMode):
     """Records every op run under it with its inputs and outputs; replay() reruns them into the same outputs."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail: bool = False) -> None:
         super().__init__()
         self.ops: list[tuple] = []
+        self.fail, self.failed = fail, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.fail:
+            self.failed = True
+            raise RuntimeError(f"simulated: aten op inside capture ({func})")
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out))
         return out
@@ -83,11 +87,16 @@ class _Tape(TorchDispatchMode):
 class FakeCuda:
     """torch.cuda's graph and stream calls, simulated on the CPU with the allocator's pool bookkeeping."""
 
-    def __init__(self, fail_capture: bool = False) -> None:
+    def __init__(self, fail_capture: bool = False, fail_step: bool = False, fail_after: int | None = None) -> None:
+        """fail_capture: capture_begin raises; fail_after: it raises from the (fail_after + 1)-th capture on;
+        fail_step: the first op inside a capture raises, and capture_end then raises its own generic error."""
         self.pools: dict[tuple, dict] = {}  # pool id -> {"uses": graphs alive in it, "pinned": a live block}
         self.ids = itertools.count(1)
         self.captures = 0
-        self.fail_capture = fail_capture
+        self.fail_capture, self.fail_step, self.fail_after = fail_capture, fail_step, fail_after
+        self.generator = FakeGenerator()  # torch.cuda.default_generators[0]
+        self.open_captures = 0
+        self.on_replay = lambda: None
         self.default = FakeStream(self)
         self.stack = [self.default]
         fake = self
@@ -98,7 +107,9 @@ class FakeCuda:
                 self.pool: tuple | None = None
 
             def capture_begin(self, pool=None, capture_error_mode="global") -> None:
-                if fake.fail_capture:
+                fake.generator.capturing = True  # the generator's capture prologue runs before the stream's capture
+                if fake.fail_capture or (fake.fail_after is not None and fake.captures >= fake.fail_after):
+                    fake.captures += 1
                     raise RuntimeError("simulated: operation not permitted when stream is capturing")
                 pool = tuple(pool) if pool is not None else (0, next(fake.ids))  # None: a private pool
                 entry = fake.pools.get(pool)
@@ -112,14 +123,20 @@ class FakeCuda:
                 fake.captures += 1
                 self.pool = pool
                 weakref.finalize(self, fake.release, pool)
-                self.tape = _Tape()
+                self.tape = _Tape(fail=fake.fail_step)
                 self.tape.__enter__()
+                fake.open_captures += 1
 
             def capture_end(self) -> None:
                 if self.tape is not None:
                     self.tape.__exit__(None, None, None)
+                    fake.open_captures -= 1
+                    if self.tape.failed:  # the stream's capture was invalidated: no epilogue for the generator
+                        raise RuntimeError("generic: operation failed due to a previous error during capture")
+                    fake.generator.capturing = False
 
             def replay(self) -> None:
+                fake.on_replay()
                 self.tape.replay()
 
         class graph:  # torch.cuda.graph: enters the capture stream first, then begins the capture
@@ -164,6 +181,20 @@ class FakeCuda:
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
         monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, **kw: FakeStream(self))
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "default_generators", (self.generator,))
+
+
+class FakeGenerator:
+    """The CUDA generator's graph state: in capture mode from a capture's prologue until its epilogue."""
+
+    def __init__(self, capturing: bool = False) -> None:
+        self.capturing = capturing
+
+    def clone_state(self) -> FakeGenerator:
+        return FakeGenerator()
+
+    def graphsafe_set_state(self, state: FakeGenerator) -> None:
+        self.capturing = state.capturing
 
 
 class FakeStream:

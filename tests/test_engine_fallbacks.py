@@ -1,0 +1,167 @@
+"""StaticEngine's compile and capture paths on the CPU: the prefill compiles once whatever the lengths, and
+every fallback leaves a working engine, says why, and is on the record (engine.rollout_record).
+
+- Compiles are counted with dynamo's CompileCounter as the backend (graphs traced, run eagerly: cheap).
+- Failures are simulated: a backend that raises (a compile failure, or an out-of-memory error), and
+  tests/test_engine_preflight.py's stand-in CUDA graphs, with a generator that a capture puts in capture
+  mode and only a successful capture_end takes out of it, as the CUDA generator behaves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from test_engine_preflight import FakeCuda, graph_engine, make_prompts, rollout
+from torch._dynamo.testing import CompileCounter
+
+import engine
+import runtime
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return runtime.load_tokenizer(runtime.TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def lm(tok):
+    return runtime.load_model(runtime.TINY_MODEL, tok, seed=0).eval()
+
+
+@pytest.fixture(autouse=True)
+def fresh_record():
+    torch._dynamo.reset()
+    engine.reset_rollout_record()
+    runtime._NOTICES.clear()  # each test sees its own notices (and leaves none said for the next file's tests)
+    yield
+    torch._dynamo.reset()
+    runtime._NOTICES.clear()
+
+
+def test_prefill_compiles_once_over_varied_lengths(lm, tok):
+    """Rows x prompt widths that include 1 row, rows = width and a width equal to the hidden size (64)."""
+    counter = CompileCounter()
+    eng = engine.StaticEngine(lm, compile=True, compile_backend=counter)
+    eng._pre, eng._post = engine._llama_pre_attention, engine._llama_post_attention  # count the prefill only
+    ref = engine.StaticEngine(lm)
+    g = torch.Generator().manual_seed(1)
+    for rows, length in [(3, 10), (5, 70), (64, 30), (2, 130), (1, 5), (7, 200), (64, 64)]:
+        prompts = [torch.randint(3, 500, (length,), generator=g).tolist() for _ in range(rows)]
+        got = eng.generate(prompts, max_new_tokens=2, eos_id=-1, pad_id=tok.pad_token_id)
+        want = ref.generate(prompts, max_new_tokens=2, eos_id=-1, pad_id=tok.pad_token_id)
+        assert torch.equal(got.response_ids, want.response_ids)
+    assert counter.frame_count == 2, f"{counter.frame_count} graphs: the prefill recompiled"  # pre + post
+    assert eng.fallbacks == []
+
+
+def _failing_backend(exc: Exception, times: int = 10**9):
+    calls = {"n": 0}
+
+    def backend(gm, example_inputs):
+        calls["n"] += 1
+        if calls["n"] <= times:
+            raise exc
+        return gm.forward
+
+    return backend
+
+
+def test_compile_failure_without_graphs_falls_back_to_eager_prefill_and_decode(lm, tok, capsys):
+    boom = RuntimeError("simulated inductor failure: triton missing")
+    eng = engine.StaticEngine(lm, compile=True, cuda_graph=False, compile_backend=_failing_backend(boom))
+    prompts, pad = make_prompts((3, 41, 17)), tok.pad_token_id
+    got = rollout(eng, prompts, 8, pad)
+    want = rollout(engine.StaticEngine(lm), prompts, 8, pad)
+    assert torch.equal(got.response_ids, want.response_ids)
+    assert not eng.compile and not eng._prefill_compiled  # the decode step failed first: prefill eager too
+    [fb] = eng.fallbacks
+    assert fb["what"] == "compile" and "triton missing" in fb["reason"] and fb["kind"] == "error", fb
+    assert "TORCHDYNAMO_VERBOSE" not in fb["reason"]  # dynamo's hint dropped
+    assert "triton missing" in capsys.readouterr().err  # the cause in the notice
+    again = rollout(eng, prompts, 8, pad)  # the eager engine keeps working, nothing new on the record
+    assert torch.equal(again.response_ids, want.response_ids) and len(eng.fallbacks) == 1
+
+
+def test_prefill_compile_failure_falls_back_to_eager_prefill(lm, tok):
+    eng = engine.StaticEngine(lm, compile=True, cuda_graph=False, compile_backend="eager")
+    boom = RuntimeError("simulated: prefill shape guard failed")
+    eng._prefill_pre = torch.compile(engine._prefill_pre_attention, backend=_failing_backend(boom))
+    prompts, pad = make_prompts((3, 41, 17)), tok.pad_token_id
+    got = rollout(eng, prompts, 8, pad)
+    assert torch.equal(got.response_ids, rollout(engine.StaticEngine(lm), prompts, 8, pad).response_ids)
+    assert [f["what"] for f in eng.fallbacks] == ["prefill_compile"] and "shape guard" in eng.fallbacks[0]["reason"]
+    assert eng.compile and not eng._prefill_compiled  # the decode step stays compiled
+
+
+def test_out_of_memory_while_compiling_is_raised_and_compile_stays_on(lm, tok):
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+    eng = engine.StaticEngine(lm, compile=True, cuda_graph=False, compile_backend=_failing_backend(oom, times=1))
+    prompts, pad = make_prompts((3, 41, 17)), tok.pad_token_id
+    with pytest.raises(Exception, match="out of memory"):
+        rollout(eng, prompts, 8, pad)
+    assert eng.compile and eng.fallbacks == []  # not taken for a compile failure
+    got = rollout(eng, prompts, 8, pad)  # the next call (memory back) compiles and runs
+    assert torch.equal(got.response_ids, rollout(engine.StaticEngine(lm), prompts, 8, pad).response_ids)
+    assert eng.compile and eng.fallbacks == []
+
+
+@pytest.mark.parametrize("where", ["begin", "step"])
+def test_failed_capture_ends_it_restores_the_generator_and_names_the_cause(lm, tok, monkeypatch, capsys, where):
+    """begin: capture_begin raises after putting the generator in capture mode; step: an op inside the capture
+    raises, and capture_end then raises its own generic error (the cause must be the step's)."""
+    fake = FakeCuda(fail_capture=where == "begin", fail_step=where == "step")
+    fake.install(monkeypatch)
+    prompts, pad = make_prompts((3, 41, 17)), tok.pad_token_id
+    eng = graph_engine(lm, fake)
+    got = rollout(eng, prompts, 12, pad)
+    assert not fake.generator.capturing, "the generator was left in capture mode"
+    assert fake.stack == [fake.default] and not fake.open_captures, "a capture was left open"
+    assert torch.equal(got.response_ids, rollout(engine.StaticEngine(lm), prompts, 12, pad).response_ids)
+    assert not eng.cuda_graph and eng.graphs == {}
+    cause = "not permitted when stream is capturing" if where == "begin" else "simulated: aten op inside capture"
+    [fb] = eng.fallbacks
+    assert fb["what"] == "cuda_graph" and cause in fb["reason"] and "generic" not in fb["reason"], fb
+    assert cause in capsys.readouterr().err
+    rec = engine.rollout_record()
+    assert rec["rollout_backend"] is None  # engine.generate was not called: only the engine's own record
+    assert rec["rollout_fallbacks"] == [fb]
+
+
+def test_failed_capture_of_a_later_width_runs_every_step_eagerly(lm, tok, monkeypatch):
+    """The widths captured before the failure are not replayed beside eager steps."""
+    fake = FakeCuda(fail_after=1)  # the first capture succeeds, the second fails
+    fake.install(monkeypatch)
+    prompts, pad = make_prompts((3, 60, 17)), tok.pad_token_id  # widths 64 and 128 over 12 steps
+    eng = graph_engine(lm, fake, kv_chunk=64)
+    replays = []
+    monkeypatch.setattr(fake, "on_replay", lambda: replays.append(1))
+    got = rollout(eng, prompts, 12, pad)
+    assert fake.captures == 2 and replays == [] and not eng.cuda_graph
+    assert torch.equal(got.response_ids, rollout(engine.StaticEngine(lm), prompts, 12, pad).response_ids)
+
+
+def test_flex_fallback_drops_the_compiled_flex_attention(lm, tok):
+    calls = []
+
+    def broken_flex(*a, **k):
+        calls.append(1)
+        raise RuntimeError("simulated: flex_attention compile failed")
+
+    eng = engine.StaticEngine(lm, attention="flex", compile=True, cuda_graph=False, compile_backend="eager")
+    eng._flex, eng._flex_compiled = broken_flex, True
+    prompts, pad = make_prompts((3, 41, 17)), tok.pad_token_id
+    got = rollout(eng, prompts, 6, pad)
+    assert eng._flex is not broken_flex and not eng._flex_compiled
+    ref = rollout(engine.StaticEngine(lm, attention="flex"), prompts, 6, pad)
+    assert torch.equal(got.response_ids, ref.response_ids)
+    assert [f["what"] for f in eng.fallbacks] == ["compile"] and "flex_attention" in eng.fallbacks[0]["reason"]
+
+
+def test_generate_records_the_backend_it_ran(lm, tok):
+    prompts, pad = make_prompts((3, 41)), tok.pad_token_id
+    engine.generate(lm, prompts, max_new_tokens=3, eos_id=-1, pad_id=pad, backend="hf")
+    engine.generate(lm, prompts, max_new_tokens=3, eos_id=-1, pad_id=pad, backend="static")
+    rec = engine.rollout_record()
+    assert rec == {"rollout_backend": "hf, static", "rollout_fallbacks": []}
+    assert engine.StaticEngine(lm).backend_name == "static"

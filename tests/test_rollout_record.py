@@ -1,0 +1,37 @@
+"""A trainer's results.json and the first line of its metrics.jsonl name the rollout backend it actually ran
+and every fallback with its reason (engine.rollout_record), so a slow run is never read as a slow method."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_results_and_first_metrics_row_name_the_rollout_backend(finished_run):
+    results = json.loads((finished_run / "results.json").read_text())
+    assert results["rollout_backend"] == "hf"  # the CPU: transformers' generation (engine.generate's "auto")
+    assert results["rollout_fallbacks"] == []
+    rows = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["rollout_backend"] == "hf" and rows[0]["rollout_fallbacks"] == []
+    assert all("rollout_backend" not in r for r in rows[1:])  # the first line only
+
+
+def test_report_has_a_rollout_column_with_the_fallbacks(tmp_path):
+    import report
+
+    def write(name: str, extra: dict) -> None:
+        run_dir = tmp_path / "h2h" / name
+        run_dir.mkdir(parents=True)
+        res = {"method": "grpo", "critic": "group", "seed": 1, "steps": 1, "generated_tokens": 10,
+               "test": {"accuracy": 0.1, "n": 10, "ci95": [0.0, 0.2]}, **extra}  # fmt: skip
+        (run_dir / "results.json").write_text(json.dumps(res))
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+
+    fell = {"what": "cuda_graph", "kind": "error", "reason": "CUDA graph capture failed: RuntimeError: x"}
+    write("grpo-group-s1", {"rollout_backend": "static", "rollout_fallbacks": [fell]})
+    write("ppo-none-s1", {"method": "ppo", "critic": "none"})  # a run from before the record
+    md = report.write_report(tmp_path, tmp_path / "report").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| experiment"))
+    assert "| rollout |" in head
+    assert "| static (fell back: cuda_graph) |" in md
+    row = next(line for line in md.splitlines() if "| ppo-none |" in line)
+    assert row.split(" | ")[head.split(" | ").index("rollout")] == "-"
