@@ -57,6 +57,12 @@ class Args:
     """auto: the CPU preset on a machine without a GPU, else the study's settings; study; cpu (the CPU preset)"""
     progress: bool = True
     """show tqdm progress bars"""
+    track: bool = False
+    """log the metrics to Weights & Biases too (pip install wandb; WANDB_MODE=offline keeps them in run_dir/wandb)"""
+    wandb_project: str = "rlvr-baselines"
+    """--track: the W&B project"""
+    wandb_entity: str | None = None
+    """--track: the W&B team or user (default: your own)"""
 
     # --- model and data ---
     model: str = "qwen2.5-0.5b"
@@ -169,6 +175,7 @@ SIZES = ("completions_per_step", "completions_per_rank", "minibatch_size", "micr
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
+    runtime.check_tracking(args)  # --track without wandb installed
     runtime.check_ranges(  # GRPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
         positive=("num_minibatches", "clip_eps", "clip_eps_high"),
@@ -274,7 +281,8 @@ def main() -> None:
     stopper = runtime.StopSignal()
     engine.reset_rollout_record()  # this run's rollouts only (tests run several trainers in one process)
     logger = runtime.MetricsLogger(
-        run_dir, dist_.main, resume_step=counters["step"] if args.resume else None, first_row=engine.rollout_record
+        run_dir, dist_.main, resume_step=counters["step"] if args.resume else None, first_row=engine.rollout_record,
+        track=args,
     )  # the first line says what the rollouts ran on
     ctx = runtime.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id

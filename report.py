@@ -12,14 +12,16 @@ It only reads: no run folder is moved or renamed here (the sweep's scheduler, sw
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import tyro
 
 import common
 import preflight
@@ -814,6 +816,96 @@ def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
 
 
 # ======================================================================================================
+# One run folder in a picture: python report.py runs/ppo-small-s1 -> runs/ppo-small-s1/curves.png
+# ======================================================================================================
+
+RUN_PLOT = "curves.png"
+
+
+def run_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """A run's curves from its metrics.jsonl rows, each {"step": [...], "y": [...]} (validation accuracy also "lo",
+    "hi": its 95% interval): reward, val accuracy, kl_ref, the baseline's nmse (mc/value for PPO, mc/loo for GRPO;
+    its group mean beside it), generated training tokens. A curve nothing logged is empty; the last row of a step
+    wins (a resumed run logs its final evaluation again)."""
+    keys = {"reward": "reward", "kl": "kl_ref", "tokens": "generated_tokens", "tokens_per_s": "tokens_per_s"}
+    keys.update({f"nmse {name}": f"mc/{name}/nmse" for name in ("value", "loo", "group")})
+    by_step: dict[str, dict[int, float]] = {name: {} for name in [*keys, "val", "val_lo", "val_hi"]}
+    for r in rows:
+        s = int(r["step"])
+        for name, key in keys.items():
+            if finite(r.get(key)):
+                by_step[name][s] = float(r[key])
+        if finite(r.get("val/accuracy")):
+            by_step["val"][s] = float(r["val/accuracy"])
+            by_step["val_lo"][s] = float(r.get("val/ci_low", r["val/accuracy"]))
+            by_step["val_hi"][s] = float(r.get("val/ci_high", r["val/accuracy"]))
+    out = {}
+    for name in [*keys, "val"]:
+        steps = sorted(by_step[name])
+        out[name] = {"step": steps, "y": [by_step[name][s] for s in steps]}
+    out["val"]["lo"] = [by_step["val_lo"][s] for s in out["val"]["step"]]
+    out["val"]["hi"] = [by_step["val_hi"][s] for s in out["val"]["step"]]
+    return out
+
+
+def run_title(run_dir: Path) -> str:
+    """'ppo-small-s1: ppo small, seed 1; test accuracy 1.6% [0.3, 8.3] on 64' from results.json, or the folder's
+    name and 'running' when the run has not finished."""
+    try:
+        res = runtime.read_results(run_dir / "results.json")
+        test = res["test"]
+        lo, hi = test["ci95"]
+        return (
+            f"{run_dir.name}: {res['method']} {run_variant(res)}, seed {res['seed']}, {res['steps']} steps; test "
+            f"accuracy {fmt_pct(test['accuracy'])}% [{100 * lo:.1f}, {100 * hi:.1f}] on {test['n']}"
+        )
+    except (runtime.UserError, KeyError, TypeError, ValueError):
+        return f"{run_dir.name}: not finished (no results.json)"
+
+
+def plot_run(plt: Any, run_dir: Path) -> Path:
+    """run_dir's curves against the step (run_series) in one PNG beside its metrics.jsonl; returns its path."""
+    series = run_series(read_metrics(run_dir))
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    panels = [
+        ("training reward", [("reward", "reward")]),
+        ("validation accuracy (%), 95% interval", []),
+        ("KL to the reference (kl_ref, per token)", [("kl", "kl_ref")]),
+        ("baseline error (nmse; 0 = perfect)", [(f"nmse {b}", f"mc/{b}/nmse") for b in ("value", "loo", "group")]),
+        ("generated training tokens (cumulative)", [("tokens", "generated_tokens")]),
+        ("rollout throughput (generated tokens/s)", [("tokens_per_s", "tokens_per_s")]),
+    ]
+    for ax, (title, curves) in zip(axes.flat, panels):
+        drawn = False
+        for name, label in curves:
+            c = series[name]
+            if c["step"]:
+                ax.plot(c["step"], c["y"], marker="o", ms=3, label=label)
+                drawn = True
+        if title.startswith("validation"):
+            c = series["val"]
+            if c["step"]:
+                ys = [100 * y for y in c["y"]]
+                err = [[y - 100 * lo for y, lo in zip(ys, c["lo"])], [100 * hi - y for y, hi in zip(ys, c["hi"])]]
+                ax.errorbar(c["step"], ys, yerr=err, marker="o", ms=3, capsize=3)
+                drawn = True
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=ax.transAxes, color="grey")
+        elif len(curves) > 1:
+            ax.legend(fontsize=7, loc="best")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    fig.suptitle(run_title(run_dir), fontsize=11)
+    fig.tight_layout()
+    path = run_dir / RUN_PLOT
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# ======================================================================================================
 # The full sweep's duration from measured step times
 # ======================================================================================================
 
@@ -1297,29 +1389,54 @@ def write_report(out: Path, report_dir: Path) -> Path:
     return report_dir / "report.md"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("out", nargs="?", help="the sweep's folder (OUT/<experiment>/<run>/results.json)")
-    p.add_argument("--report-dir", help="where the report goes (default: OUT/report)")
-    p.add_argument(
-        "--estimate", metavar="OUT", help="print the full sweep's duration from the step times of OUT's runs"
-    )
-    p.add_argument(
-        "--estimate-model",
-        metavar="MODEL",
-        help=f"the study's memory and time by arithmetic: {', '.join(MODEL_SHAPES)}",
-    )
-    p.add_argument("--steps", type=int, default=200, help="--estimate: the study's steps per run (default 200)")
-    p.add_argument("--seeds", type=int, default=3, help="--estimate: seeds in the full sweep (default 3)")
-    p.add_argument("--eval-every", type=int, default=25, help="--estimate: the study's --eval-every (default 25)")
-    a = p.parse_args()
+@dataclass
+class Args:
+    """The sweep's report (report.py OUT -> OUT/report/), each run's curves (report.py RUN_DIR [RUN_DIR ...] ->
+    RUN_DIR/curves.png), or the full sweep's duration (report.py --estimate OUT --steps 200 --seeds 3)."""
+
+    paths: Annotated[list[str], tyro.conf.Positional, tyro.conf.arg(metavar="FOLDER ...")] = field(default_factory=list)
+    """a sweep's folder (OUT/<experiment>/<run>/results.json): its report; or run folders (each holding metrics.jsonl): each run's curves as curves.png beside it"""
+    report_dir: str | None = None
+    """where a sweep's report goes (default: OUT/report)"""
+    estimate: str | None = None
+    """print the full sweep's duration from the step times of the runs under this sweep folder"""
+    estimate_model: str | None = None
+    """print the study's memory and time by arithmetic for this model (report.MODEL_SHAPES: its short names)"""
+    steps: int = 200
+    """--estimate: the study's steps per run"""
+    seeds: int = 3
+    """--estimate: seeds in the full sweep"""
+    eval_every: int = 25
+    """--estimate: the study's --eval-every"""
+
+
+def is_run_folder(path: Path) -> bool:
+    """A trainer's run folder (it holds metrics.jsonl), not a sweep's folder of experiments."""
+    return (path / "metrics.jsonl").is_file()
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display needed), or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = runtime.parse_args(Args, argv)
     if a.estimate_model:
         print(model_estimate_markdown(a.estimate_model, a.steps, a.seeds, a.eval_every))
         return
-    if (a.out is None) == (a.estimate is None):
-        raise runtime.UserError("give exactly one of: OUT, --estimate OUT")
+    if bool(a.paths) == bool(a.estimate):
+        raise runtime.UserError("give a sweep's folder OUT, run folders, or --estimate OUT (exactly one)")
+    for flag, value, default in (("--steps", a.steps, 1), ("--seeds", a.seeds, 1), ("--eval-every", a.eval_every, 1)):
+        if value < default:
+            raise runtime.UserError(f"{flag} {value} must be a positive number")
     if a.estimate:
         runs, damaged = load_runs(Path(a.estimate))
         for line in damaged:
@@ -1327,12 +1444,28 @@ def main() -> None:
         if not runs:
             raise runtime.UserError(f"no finished run (results.json) under {a.estimate}/<experiment>/<run>/")
         print(estimate_markdown(runs, a.steps, a.seeds, a.eval_every))
-    else:
-        out = Path(a.out)
-        if not out.is_dir():
-            raise runtime.UserError(f"{out} is not a folder")
-        path = write_report(out, Path(a.report_dir) if a.report_dir else out / "report")
+        return
+    paths = [Path(p) for p in a.paths]
+    for path in paths:
+        if not path.is_dir():
+            raise runtime.UserError(f"{path} is not a folder")
+    runs = [p for p in paths if is_run_folder(p)]
+    if not runs:  # a sweep's folder
+        if len(paths) > 1:
+            raise runtime.UserError(f"give one sweep folder at a time, not {len(paths)}: {' '.join(map(str, paths))}")
+        path = write_report(paths[0], Path(a.report_dir) if a.report_dir else paths[0] / "report")
         print(f"report: {path}")
+        return
+    if len(runs) < len(paths):
+        other = next(p for p in paths if not is_run_folder(p))
+        raise runtime.UserError(f"{other} holds no metrics.jsonl: give run folders, or one sweep folder alone")
+    if a.report_dir:
+        raise runtime.UserError("--report-dir is for a sweep's report; a run's curves go beside its metrics.jsonl")
+    plt = pyplot()
+    if plt is None:
+        raise runtime.UserError("drawing a run's curves needs matplotlib: pip install matplotlib")
+    for run_dir in runs:
+        print(f"curves: {plot_run(plt, run_dir)}")
 
 
 if __name__ == "__main__":

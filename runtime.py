@@ -147,6 +147,12 @@ def cli(cls: type[T], cpu: T, args: Sequence[str] | None = None) -> tuple[T, lis
     return at_cpu, changed
 
 
+def parse_args(cls: type[T], args: Sequence[str] | None = None) -> T:
+    """A script's Args (a dataclass, its defaults cls()'s) from the command line with tyro, for a script without
+    the trainers' two presets (report.py). A bad flag or value is a UserError of one line, as in cli."""
+    return _tyro_cli(cls, cls(), args)
+
+
 def _tyro_cli(cls: type[T], default: T, args: Sequence[str] | None) -> T:
     import tyro
 
@@ -844,7 +850,7 @@ def _notice_once(message: str) -> None:
 
 
 # ======================================================================================================
-# Logging: settings first, metrics.jsonl per step, TensorBoard when installed
+# Logging: settings first, metrics.jsonl per step, TensorBoard scalars, Weights & Biases with --track
 # ======================================================================================================
 
 
@@ -867,8 +873,39 @@ def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scal
     return "\n".join(lines)
 
 
+def check_tracking(args: Any) -> None:
+    """--track needs wandb (an optional dependency, imported only then): refused in one line before anything
+    loads when it is missing."""
+    if getattr(args, "track", False) and importlib.util.find_spec("wandb") is None:
+        raise UserError("--track logs to Weights & Biases, which is not installed: pip install wandb (or drop --track)")
+
+
+def start_tracking(args: Any, run_dir: Path) -> Any:
+    """A Weights & Biases run for --track (CleanRL's wandb.init: the project, the entity, the run's name, every
+    setting as its config); None without --track. Its id is kept in run_dir/wandb/run_id, so that --resume
+    continues the same W&B run. WANDB_MODE=offline writes it under run_dir/wandb/ without a network."""
+    if not getattr(args, "track", False):
+        return None
+    import wandb  # the optional dependency: imported here only
+
+    id_file = run_dir / "wandb" / "run_id"
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    run_id = id_file.read_text().strip() if id_file.is_file() else os.urandom(4).hex()
+    id_file.write_text(run_id + "\n")
+    config = {k: _jsonable(v) for k, v in vars(args).items()}
+    return wandb.init(project=args.wandb_project, entity=args.wandb_entity, name=run_dir.name, id=run_id,
+                      resume="allow", dir=str(run_dir), config=config)  # fmt: skip
+
+
+def metric_scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of one metrics row (step aside; None, strings and lists left out): what TensorBoard and
+    W&B get."""
+    return {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 class MetricsLogger:
-    """Appends one JSON line per step to run_dir/metrics.jsonl (and TensorBoard scalars when installed)."""
+    """Appends one JSON line per step to run_dir/metrics.jsonl, the same numbers as TensorBoard scalars
+    (run_dir/tb/), and to Weights & Biases when the trainer runs with --track."""
 
     def __init__(
         self,
@@ -876,14 +913,17 @@ class MetricsLogger:
         enabled: bool,
         resume_step: int | None = None,
         first_row: Callable[[], dict[str, Any]] | None = None,
+        track: Any = None,
     ) -> None:
         """resume_step: the checkpoint's step. Rows a killed run logged after it (and a half-written last line)
         are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again.
-        first_row: fields added to the first row this process logs (the trainers: engine.rollout_record)."""
+        first_row: fields added to the first row this process logs (the trainers: engine.rollout_record).
+        track: the trainer's args (W&B only with --track: start_tracking)."""
         self.enabled = enabled
         self.first_row = first_row
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
+        self.wandb = None
         if enabled and resume_step is not None and self.path.is_file():
             kept, later = [], []
             for line in self.path.read_text().splitlines():
@@ -904,8 +944,9 @@ class MetricsLogger:
 
                 purge = None if resume_step is None else resume_step + 1
                 self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
-            except Exception:  # tensorboard not installed
+            except ImportError:  # tensorboard is in requirements.txt; a bare install without it still runs
                 self.tb = None
+            self.wandb = start_tracking(track, run_dir)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -916,14 +957,20 @@ class MetricsLogger:
             self.first_row = None
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        scalars = metric_scalars(row)
         if self.tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
 
 
 def _jsonable(v: Any) -> Any:

@@ -1,4 +1,8 @@
-"""Shared fixtures: the GSM8K folder and the tiny model's tokenizer (SmolLM2's, from the packaged GGUF)."""
+"""Shared fixtures: the GSM8K folder, the tiny model's tokenizer (SmolLM2's, from the packaged GGUF), a finished
+one-step run, and the smoke sweep (run once per session).
+
+Markers (pyproject.toml): `packaged` (the packaged SmolLM2 model), `slow` (the tests the fast lane,
+`python -m pytest -q -m "not slow"`, leaves out: torchrun, the smoke sweep, learning tests, long subprocesses)."""
 
 import os
 import sys
@@ -34,3 +38,26 @@ def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("finished") / "run"
     check_ok(run_here("ppo.py", cli(run_dir, **SMALL_RUN)))
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def smoke_sweep(tmp_path_factory):
+    """`./sweep.sh --smoke` once per session (about two minutes on 2 cores): (its OUT folder, the finished
+    process, seconds). Tests read it, and copy what they change; a test that uses it is slow by nature."""
+    import time
+
+    from helpers import check_ok, run_sweep
+
+    out = tmp_path_factory.mktemp("sweep") / "smoke"
+    t0 = time.time()
+    proc = run_sweep("--smoke", "--out", out)
+    seconds = time.time() - t0
+    check_ok(proc)
+    return out, proc, seconds
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that reads the smoke sweep is slow (the sweep is minutes), whichever file it is in."""
+    for item in items:
+        if "smoke_sweep" in getattr(item, "fixturenames", ()):  # directly or through another fixture
+            item.add_marker(pytest.mark.slow)

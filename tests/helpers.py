@@ -1,4 +1,6 @@
-"""Run a trainer as a subprocess with tiny settings and read what it wrote. Imported by the end-to-end tests.
+"""Run a trainer with tiny settings, as a subprocess (run_trainer, start_trainer) or in this process (run_here,
+run_in_process: main() with its argv, every global it changes restored after), and read what it wrote.
+Imported by the end-to-end tests.
 
 Kept out of conftest.py on purpose: plain functions, no fixtures, so that it merges with any conftest.
 """
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -79,23 +82,68 @@ def run_trainer(script: str, args: list[str], timeout: float = 300) -> subproces
 
 
 @contextlib.contextmanager
-def as_trainer(script: str, args: list[str]):
-    """The trainer module (e.g. "grpo" or "grpo.py") with sys.argv, the environment and the signal handlers set
-    as for `python script args`; all three restored after."""
-    module = importlib.import_module(script.removesuffix(".py"))
-    saved_argv, saved_env = sys.argv, dict(os.environ)
+def process_state():
+    """Whatever a trainer's main() changes in its process, put back after: the environment, the working folder,
+    the SIGTERM/SIGINT handlers, torch's thread count and every global RNG (Python's, NumPy's, torch's), the
+    warning filters, transformers' log level, runtime's once-per-process notices (cleared for the run, so that it
+    prints what a fresh process prints) and run lock, and torch.compile's caches (a second run in this process
+    must not hit the recompile limit a fresh process would not). A test that calls main() in its own process
+    therefore leaves no trace on the next one."""
+    import random
+
+    import numpy as np
+    import torch
+
+    import runtime
+
+    saved_env, cwd = dict(os.environ), os.getcwd()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    sys.argv = [f"{module.__name__}.py", *args]
-    os.environ.update(trainer_env())
-    os.environ.pop("RANK", None)
+    threads, rng = torch.get_num_threads(), (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    notices = set(runtime._NOTICES)
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    verbosity = hf_logging.get_verbosity() if hf_logging else None
+    runtime._NOTICES.clear()
     try:
-        yield module
+        with warnings.catch_warnings():
+            yield
     finally:
-        sys.argv = saved_argv
+        runtime.release_run_lock()
         os.environ.clear()
         os.environ.update(saved_env)
+        os.chdir(cwd)
         for s, h in handlers.items():
             signal.signal(s, h)
+        torch.set_num_threads(threads)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.random.set_rng_state(rng[2])
+        runtime._NOTICES.clear()
+        runtime._NOTICES.update(notices)
+        if verbosity is not None:
+            hf_logging.set_verbosity(verbosity)
+        if "torch._dynamo" in sys.modules:
+            torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def as_trainer(script: str, args: list[str], threads: int | None = None):
+    """The trainer module (e.g. "grpo" or "grpo.py") with sys.argv and the environment set as for
+    `python script args` (and torch's thread count, when given: OMP_NUM_THREADS of a fresh process), the
+    process's state restored after (process_state)."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    saved_argv = sys.argv
+    with process_state():
+        sys.argv = [f"{module.__name__}.py", *args]
+        os.environ.update(trainer_env())
+        os.environ.pop("RANK", None)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        try:
+            yield module
+        finally:
+            sys.argv = saved_argv
 
 
 def run_in_process(script: str, args: list[str]) -> None:
@@ -105,16 +153,17 @@ def run_in_process(script: str, args: list[str]) -> None:
         module.main()
 
 
-def run_here(script: str, args: list[str]) -> subprocess.CompletedProcess:
+def run_here(script: str, args: list[str], threads: int | None = None) -> subprocess.CompletedProcess:
     """run_trainer in this process: the same exit code, stdout and stderr, without the ~4 s a new Python takes
     to import torch and transformers (most of a tiny run's time). Bad input too: the refusal line is the same;
     a few refusals (test_validation.py's fresh-process tests, one damaged checkpoint) go through run_trainer,
     whose fresh process also shows every warning a user would see on stderr, which pytest captures here.
+    threads: torch's thread count for the run (a fresh process's OMP_NUM_THREADS), restored after.
     """
     import runtime
 
     out, err, rc = io.StringIO(), io.StringIO(), 0
-    with as_trainer(script, args) as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with as_trainer(script, args, threads) as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             runtime.run_main(module.main)
         except SystemExit as e:
@@ -123,6 +172,15 @@ def run_here(script: str, args: list[str]) -> subprocess.CompletedProcess:
             traceback.print_exc()
             rc = 1
     return subprocess.CompletedProcess([script, *args], rc, out.getvalue(), err.getvalue())
+
+
+def run_sweep(*args: str | Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """./sweep.sh ARGS from the repository root, with this interpreter as the trainers' python."""
+    env = {**trainer_env(), "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(
+        ["bash", str(REPO / "sweep.sh"), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
 
 
 def wait_for_first_step(proc: subprocess.Popen, run_dir: Path, timeout: float = 180) -> None:

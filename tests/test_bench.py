@@ -32,6 +32,7 @@ def _env() -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_run_gpu_flow_tiny_cpu_keeps_the_parts_before_one_killed_by_its_limit(tmp_path):
     """Every part of run_gpu.sh on the CPU; part d (the trainers) is killed by a 30 s limit: the numbers of
     parts a-c stay in throughput.json, parts e and f still run, and the table names the part that stopped."""
@@ -168,6 +169,7 @@ def test_trl_settings_that_differ_from_grpo_are_listed():
     assert trl_grpo.differences_from_grpo(config, g, 512) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of --device auto without a GPU")
 def test_default_device_without_a_gpu_is_the_cpu(tmp_path):
     out = tmp_path / "throughput.json"

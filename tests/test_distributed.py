@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_ok, cli, command, trainer_env, wait_for_first_step
+from helpers import REPO, check_ok, cli, command, run_here, trainer_env, wait_for_first_step
 
 import checkpoint
 import common
@@ -58,6 +58,8 @@ RUNS = {  # trainer, flags: every trainer, the MC measurement, both DPO regimes,
                                    offline_prompts=8, micro_batch_size=1, top_p=0.9)),
 }  # fmt: skip
 REL_TOL = 2e-5  # max |one - two| / max |one| per tensor, fp32 (measured: ~3e-6 and below)
+
+pytestmark = pytest.mark.slow  # torchrun: two processes and their start-up per test
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,19 @@ def torchrun_cmd(script: str, args: list[str], nproc: int = 2) -> list[str]:
 
 
 def one_process(script: str, args: list[str]) -> subprocess.CompletedProcess:
-    return finish(start(command(script, args)))
+    """The one-process run in this test's process (helpers.run_here: torch and transformers already imported),
+    with the thread count env() gives a subprocess."""
+    return run_here(script, args, threads=int(env()["OMP_NUM_THREADS"]))
+
+
+def beside(cmd: list[str], script: str, args: list[str]) -> list[subprocess.CompletedProcess]:
+    """`cmd` (a torchrun) in the background while the one-process run of script args runs here: [one, cmd's]."""
+    background = start(cmd)
+    try:
+        here = one_process(script, args)
+    finally:
+        done = finish(background)
+    return [here, done]
 
 
 def torchrun(script: str, args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
@@ -125,7 +139,7 @@ def torchrun(script: str, args: list[str], nproc: int = 2) -> subprocess.Complet
 
 
 def side_by_side(*cmds: list[str]) -> list[subprocess.CompletedProcess]:
-    """Independent runs at once (each process has one thread): their results are the same as one after another."""
+    """Independent subprocesses at once (each has one thread): their results are the same as one after another."""
     return [finish(p) for p in [start(c) for c in cmds]]
 
 
@@ -250,8 +264,7 @@ def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
         one = ppo_single
         proc = torchrun(script, flags(two, data_dir, **extra))
     else:
-        single, proc = side_by_side(command(script, flags(one, data_dir, **extra)),
-                                    torchrun_cmd(script, flags(two, data_dir, **extra)))  # fmt: skip
+        single, proc = beside(torchrun_cmd(script, flags(two, data_dir, **extra)), script, flags(one, data_dir, **extra))
         check_ok(single)
     check_ok(proc)
     assert proc.stdout.count("test accuracy") == 1, "rank 0 alone reports"
@@ -350,8 +363,8 @@ FSDP_RUN = dict(RUNS["ppo"][1], critic="full", temperature=0.5)
 @pytest.mark.skipif(fsdp_missing() is not None, reason=str(fsdp_missing()))
 def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
     one, two = tmp_path / "one", tmp_path / "two"
-    for proc in side_by_side(command("ppo.py", flags(one, data_dir, **FSDP_RUN)),
-                             torchrun_cmd("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True))):  # fmt: skip
+    for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True)),
+                       "ppo.py", flags(one, data_dir, **FSDP_RUN)):  # fmt: skip
         check_ok(proc)
     ckpt = two / checkpoint.CHECKPOINT
     checkpoint.verify_checkpoint(ckpt)
@@ -366,8 +379,8 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
 
     # one more step: one process from its own checkpoint; the two-rank FSDP checkpoint resharded onto one rank
     more = {**FSDP_RUN, "total_steps": 3}
-    for proc in side_by_side(command("ppo.py", flags(one, data_dir, **more, resume=True)),
-                             torchrun_cmd("ppo.py", flags(two, data_dir, **more, fsdp=True, resume=True), 1)):  # fmt: skip
+    for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **more, fsdp=True, resume=True), 1),
+                       "ppo.py", flags(one, data_dir, **more, resume=True)):  # fmt: skip
         check_ok(proc)
     assert_same_weights(one, two)
     assert_same_curve(one, two)
@@ -379,8 +392,7 @@ def test_fsdp_shards_qwen2_and_two_ranks_equal_one_process(tmp_path, data_dir):
     (Qwen2DecoderLayer, from transformers' _no_split_modules) with the full critic's; one step."""
     one, two = tmp_path / "one", tmp_path / "two"
     run = dict(FSDP_RUN, model=runtime.TINY_QWEN2, total_steps=1)
-    for proc in side_by_side(command("ppo.py", flags(one, data_dir, **run)),
-                             torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True))):  # fmt: skip
+    for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True)), "ppo.py", flags(one, data_dir, **run)):
         check_ok(proc)
     assert {p.name for p in (two / checkpoint.CHECKPOINT / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
     assert_same_weights(one, two, model=runtime.TINY_QWEN2)

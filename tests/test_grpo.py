@@ -87,6 +87,7 @@ def test_each_mode_runs_two_steps(tmp_path, mode):
     check_checkpoint(run_dir, step=2)
 
 
+@pytest.mark.slow
 def test_reward_rises_on_the_toy_task(tmp_path):
     # Reward 1 when a completion of 4 tokens holds a token id divisible by 16 (~0.25 at the start). At this
     # learning rate seeds 1-12 all end at or near 1.0 by step 30 (most by step 20); at 3e-3 a third stay flat.

@@ -148,6 +148,7 @@ def test_metrics_write_nan_as_nan_and_readers_parse_it(tmp_path):
 LONG_RUN = dict(task="toy", critic="small", total_steps=40)
 
 
+@pytest.mark.slow
 def test_a_second_trainer_on_a_live_run_folder_is_refused_naming_the_holder(tmp_path):
     """The lock is taken before the model loads: a second trainer, new or --resume, is refused while the first
     lives, naming its pid; the kernel releases it however the first ends (here SIGKILL)."""
@@ -274,6 +275,7 @@ def test_a_train_file_that_is_not_utf8_is_one_error_line(tmp_path, gsm8k_dir):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_start_up_leaves_no_traceback_and_no_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     with open(tmp_path / "log", "w") as log:

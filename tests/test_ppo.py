@@ -84,6 +84,7 @@ def test_recompute_logprobs_takes_old_logprobs_and_full_critic_values_from_the_t
     assert rows[True]["vf_loss"] == pytest.approx(rows[False]["vf_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("critic", ["none", "small"])
 def test_reward_rises_on_the_toy_task(tmp_path, critic):
     # The toy task: reward 1 when a completion of 4 tokens holds a token id divisible by 16 (~0.2 at the start).

@@ -15,11 +15,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, check_ok, check_one_error_line, trainer_env, tree_digest
+from helpers import REPO, check_ok, check_one_error_line, run_here, run_sweep, trainer_env, tree_digest
 
 import checkpoint
 import runtime
@@ -35,16 +34,8 @@ PNGS = ["crossover.png", "curves.png", "errors.png"]
 
 
 def sweep(*args: str | Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """./sweep.sh ARGS from the repository root, with this interpreter as the trainers' python."""
-    env = {**trainer_env(), "PYTHON": sys.executable, **(env or {})}
-    return subprocess.run(
-        ["bash", str(REPO / "sweep.sh"), *map(str, args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """./sweep.sh ARGS from the repository root, with this interpreter as the trainers' python (helpers.run_sweep)."""
+    return run_sweep(*args, env=env, timeout=timeout)
 
 
 def check_report(report: Path, runs: int) -> None:
@@ -63,14 +54,10 @@ def check_report(report: Path, runs: int) -> None:
         assert f"![{name}]({name})" in md
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
-    out = tmp_path_factory.mktemp("sweep") / "smoke"
-    t0 = time.time()
-    proc = sweep("--smoke", "--out", out)
-    seconds = time.time() - t0
-    check_ok(proc)
-    return out, proc, seconds
+@pytest.fixture
+def smoke(smoke_sweep) -> tuple[Path, subprocess.CompletedProcess, float]:
+    """The session's smoke sweep (conftest.smoke_sweep): read it, copy what you change."""
+    return smoke_sweep
 
 
 def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
@@ -230,27 +217,13 @@ def test_damaged_interrupted_and_failed_runs_on_the_gpu_pool(smoke, tmp_path):
 def test_report_on_existing_runs(smoke, tmp_path):
     out, _, _ = smoke
     report = tmp_path / "report"
-    proc = subprocess.run(
-        [sys.executable, "report.py", str(out), "--report-dir", str(report)],
-        cwd=REPO,
-        env=trainer_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_here("report.py", [str(out), "--report-dir", str(report)])  # in this process: the imports paid once
     check_ok(proc)
     check_report(report, N_RUNS)
     md = (report / "report.md").read_text()
     assert "nmse" in md and "noise-corrected" in md and "python report.py --estimate" in md
 
-    est = subprocess.run(
-        [sys.executable, "report.py", "--estimate", str(out), "--steps", "200", "--seeds", "3"],
-        cwd=REPO,
-        env=trainer_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    est = run_here("report.py", ["--estimate", str(out), "--steps", "200", "--seeds", "3"])
     check_ok(est)
     assert "**Total:" in est.stdout and est.stdout.count("| h2h |") == len(EXPECTED["h2h"])
 
@@ -262,15 +235,14 @@ def test_report_names_a_damaged_results_json_and_skips_it(smoke, tmp_path):
     shutil.copytree(out / "critic" / "ppo-small-s1", new / "critic" / "ppo-small-s1")
     bad = new / "critic" / "ppo-small-s1" / "results.json"
     bad.write_text("[]")
-    proc = subprocess.run(
-        [sys.executable, "report.py", str(new)], cwd=REPO, env=trainer_env(), capture_output=True, text=True
-    )
+    proc = run_here("report.py", [str(new)])
     check_ok(proc)
     md = (new / "report" / "report.md").read_text()
     assert f"{bad} is damaged" in md and "| critic | ppo-none |" in md and "| critic | ppo-small |" not in md
     assert bad.read_text() == "[]"  # the report reads; only the sweep sets files aside
 
 
+@pytest.mark.slow
 def test_slurm_submits_one_array_task_per_run(tmp_path):
     """A stand-in sbatch records its calls; then one array task runs for real, as SLURM would start it."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
@@ -335,6 +307,7 @@ def test_a_held_lock_is_one_line_naming_the_holder(tmp_path, holder, kind):
     assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing started, nothing written
 
 
+@pytest.mark.slow
 def test_the_sweep_holds_its_lock_for_its_life_and_skips_a_run_a_trainer_holds(tmp_path):
     """A stand-in torchrun that waits for SIGTERM keeps the sweep alive: its lock names it; a second sweep on the same
     folder is refused naming it; a run whose folder a trainer holds is failed, naming the trainer, and skipped."""

@@ -1,0 +1,42 @@
+"""The in-process runner (helpers.run_here) the end-to-end tests use: a trainer's main() called in the test's
+process gives what a fresh process gives, and leaves nothing behind for the next test (threads, RNG, environment,
+folder, signal handlers, notices, the run lock)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+import torch
+from helpers import check_ok, cli, read_metrics, run_here, run_trainer
+
+import runtime
+
+RUN = dict(task="toy", critic="small", total_steps=2, lr=1e-3)
+TIMES = ("time/", "tokens_per_s", "seconds")  # the clock, the only thing two identical runs may differ in
+
+
+def untimed(run_dir) -> list[dict]:
+    return [{k: v for k, v in row.items() if not any(t in k for t in TIMES)} for row in read_metrics(run_dir)]
+
+
+@pytest.mark.slow
+def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, monkeypatch):
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the fresh process's threads, as threads=1 below
+    check_ok(run_trainer("ppo.py", cli(fresh, **RUN)))
+    torch.set_num_threads(2)
+    random.seed(7)
+    torch.manual_seed(7)
+    before = (torch.get_num_threads(), random.getstate(), torch.random.get_rng_state(), dict(os.environ),
+              os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), set(runtime._NOTICES))  # fmt: skip
+    for name in ("a", "b"):  # twice: the second run must not see anything the first left
+        check_ok(run_here("ppo.py", cli(tmp_path / name, **RUN), threads=1))
+        after = (torch.get_num_threads(), random.getstate(), torch.random.get_rng_state(), dict(os.environ),
+                 os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), set(runtime._NOTICES))  # fmt: skip
+        assert after[0] == before[0] and after[1] == before[1] and torch.equal(after[2], before[2])
+        assert after[3:] == before[3:]
+        assert runtime._RUN_LOCK is None
+        assert untimed(tmp_path / name) == untimed(fresh), f"run {name} in this process differs from a fresh one"
