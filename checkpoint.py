@@ -48,6 +48,7 @@ from runtime import (
     count_params,
     is_sharded,
     on_rank0,
+    refuse_links,
     unwrap,
     world_size,
 )
@@ -494,13 +495,14 @@ def load_checkpoint(
 def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: bool = False) -> None:
     """A new run needs a folder without a checkpoint; --resume needs one. Nothing is ever overwritten.
 
-    In order: a run folder that is a file is refused; --resume of a finished run (results.json) says so and
-    ends (RunFinished, exit 0) before touching anything; the folder is locked for the life of the run (rank 0;
+    In order: a run folder that is a file is refused, and one that is (or holds) a symbolic link; --resume of a
+    finished run (results.json) says so and ends (RunFinished, exit 0) before touching anything; the folder is locked for the life of the run (rank 0;
     a folder in use is refused naming its holder); the leftovers of a killed save (.checkpoint.tmp-*, and
     .checkpoint.old-* beside a checkpoint) are removed; a resume that finds only a set-aside .checkpoint.old-*
     is refused unless --resume-from-backup."""
-    if run_dir.exists() and not run_dir.is_dir():
+    if run_dir.exists() and not run_dir.is_symlink() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is not a folder (a file of that name exists)")
+    refuse_links(run_dir)  # before anything is read or written through one
     if resume and (run_dir / "results.json").exists():
         raise RunFinished(
             f"{run_dir} is finished ({run_dir / 'results.json'} exists): nothing to resume, nothing touched"

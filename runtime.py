@@ -841,7 +841,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
+        with open(self.path, "a", opener=open_nofollow) as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():
@@ -875,7 +875,7 @@ def write_results(
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    with open(tmp, "w", opener=open_nofollow) as f:  # os.replace then replaces a link, never its target
         json.dump(obj, f, indent=2, default=str)
         f.flush()
         os.fsync(f.fileno())
@@ -892,6 +892,33 @@ def read_results(path: Path) -> dict[str, Any]:
         return out
     except (OSError, ValueError) as e:
         raise UserError(f"{path} is damaged: {e}") from None
+
+
+def refuse_links(folder: Path, what: str = "--run-dir") -> None:
+    """A run's folder, and everything in it, is never a symbolic link: a run folder received from someone else
+    must not make a run write (or read) a file elsewhere by following one. Refused in one line, before anything
+    is written. The folders above it may be links (runs/ on a scratch disk)."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        raise UserError(
+            f"{what} {folder} is a symbolic link (to {os.readlink(folder)}); a run never follows one: "
+            "pass the folder it points to, or another; nothing was written"
+        )
+    if not folder.is_dir():
+        return
+    for root, dirs, files in os.walk(folder):  # never follows a link: it lists one as a name
+        for name in dirs + files:
+            p = Path(root) / name
+            if p.is_symlink():
+                raise UserError(
+                    f"{folder} holds a symbolic link, {p.relative_to(folder)} -> {os.readlink(p)}; a run never "
+                    "follows one: remove it (or choose another folder); nothing was written"
+                )
+
+
+def open_nofollow(path: Path | str, flags: int) -> int:
+    """os.open opener that refuses a symbolic link at the last component (ELOOP, an OSError naming the path)."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o644)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -919,6 +946,7 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise UserError(f"--run-dir {self.run_dir} is not a folder (a file of that name exists)")
+        refuse_links(self.run_dir)
         self.created = not self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -926,7 +954,7 @@ class RunLock:
             raise UserError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a link: ELOOP
             except OSError as e:
                 raise UserError(f"cannot write in the run folder {self.run_dir}: {e.strerror or e}") from None
             try:

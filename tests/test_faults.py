@@ -1,0 +1,90 @@
+"""Faults a long run meets (issue 23): links out of the run folder, a failing write during a save, a stop
+signal outside the training loop, crafted checkpoint state. Each test plants the fault and checks for one
+`error:` line (or a clean stop), a non-zero exit where it fails, nothing written outside the run folder and
+nothing good lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import SMALL_RUN, check_one_error_line, cli, copy_run, run_here, tree_digest
+from test_sweep import sweep
+
+# ------------------------------------------------------------------------------------------------------
+# 1. Nothing outside the run folder is written or read by following a symbolic link
+# ------------------------------------------------------------------------------------------------------
+
+
+def _outside(tmp_path: Path) -> Path:
+    """A folder outside the run's, with a file a planted link may point at; its digest must never change."""
+    out = tmp_path / "elsewhere"
+    out.mkdir()
+    (out / "precious.txt").write_text("not the run's\n")
+    return out
+
+
+@pytest.mark.parametrize("name", [".lock", "metrics.jsonl", "results.json", "tb"])
+def test_a_link_planted_in_a_new_run_folder_is_refused_before_anything_is_written(tmp_path, name):
+    outside, run_dir = _outside(tmp_path), tmp_path / "run"
+    run_dir.mkdir()
+    target = outside if name == "tb" else outside / "precious.txt"
+    (run_dir / name).symlink_to(target)
+    before = tree_digest(outside)
+    line = check_one_error_line(run_here("ppo.py", cli(run_dir, **SMALL_RUN)))
+    assert "symbolic link" in line and name in line, line
+    assert tree_digest(outside) == before, "a file outside the run folder was written through the link"
+    assert sorted(p.name for p in run_dir.iterdir()) == [name], "something was written in the run folder"
+
+
+@pytest.mark.parametrize("name", [".lock", "checkpoint", "metrics.jsonl"])
+def test_a_link_planted_in_a_run_folder_is_refused_on_resume(finished_run, tmp_path, name):
+    outside = _outside(tmp_path)
+    run_dir = copy_run(finished_run, tmp_path)
+    (run_dir / "results.json").unlink()  # an unfinished run, to resume
+    if name == "checkpoint":  # the checkpoint itself moved outside, a link left in its place
+        (run_dir / name).rename(outside / name)
+        (run_dir / name).symlink_to(outside / name)
+    else:
+        if (run_dir / name).exists():
+            (run_dir / name).unlink()
+        (run_dir / name).symlink_to(outside / "precious.txt")
+    before, inside = tree_digest(outside), tree_digest(run_dir)
+    line = check_one_error_line(run_here("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
+    assert "symbolic link" in line and name in line, line
+    assert tree_digest(outside) == before and tree_digest(run_dir) == inside
+
+
+def test_a_run_folder_that_is_a_link_is_refused(tmp_path):
+    outside = _outside(tmp_path)
+    (tmp_path / "run").symlink_to(outside, target_is_directory=True)
+    before = tree_digest(outside)
+    line = check_one_error_line(run_here("ppo.py", cli(tmp_path / "run", **SMALL_RUN)))
+    assert "is a symbolic link" in line, line
+    assert tree_digest(outside) == before and sorted(p.name for p in outside.iterdir()) == ["precious.txt"]
+
+
+def test_the_lock_never_opens_through_a_link(tmp_path, monkeypatch):
+    """Below the folder check: RunLock opens .lock with O_NOFOLLOW (a link planted after the check is refused)."""
+    import runtime
+
+    outside = _outside(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").symlink_to(outside / "precious.txt")
+    monkeypatch.setattr(runtime, "refuse_links", lambda *a, **k: None, raising=False)  # as if planted after the check
+    with pytest.raises(runtime.UserError, match="cannot write in the run folder"):
+        runtime.RunLock(tmp_path / "run").acquire()
+    assert (outside / "precious.txt").read_text() == "not the run's\n"
+
+
+def test_a_sweep_folder_that_is_or_holds_a_link_is_refused(tmp_path):
+    outside = _outside(tmp_path)
+    (tmp_path / "out").symlink_to(outside, target_is_directory=True)
+    line = check_one_error_line(sweep("--dry-run", "--out", tmp_path / "out", "--seeds", "1"))
+    assert "is a symbolic link" in line, line
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / ".lock").symlink_to(outside / "precious.txt")
+    line = check_one_error_line(sweep("--dry-run", "--out", held, "--seeds", "1"))
+    assert "symbolic link" in line and ".lock" in line, line
+    assert (outside / "precious.txt").read_text() == "not the run's\n"
