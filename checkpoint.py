@@ -40,6 +40,7 @@ from runtime import (
     NonFiniteError,
     RunFinished,
     UserError,
+    WriteFailed,
     _reshard,
     acquire_run_lock,
     all_finite,
@@ -145,22 +146,39 @@ def save_checkpoint(
     if not all_ok(error is None):
         if main:
             shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays as it was
-        if error is not None:
+        if isinstance(error, (UserError, NonFiniteError)):
             raise error
-        raise RuntimeError("saving the checkpoint failed on another rank; the last good checkpoint was kept")
+        raise WriteFailed(_save_failed(run_dir, tmp, error)) from None
     if main:
         # the previous checkpoint is kept under .checkpoint.old-PID until the new one is in place: a crash
         # between the two renames leaves it there, and find_checkpoint() falls back on it
         old = run_dir / f".{CHECKPOINT}.old-{os.getpid()}"
-        if final.exists():
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(run_dir)  # the renames themselves reach the disk
+        try:
+            if final.exists():
+                os.rename(final, old)
+            os.rename(tmp, final)
+            fsync_dir(run_dir)  # the renames themselves reach the disk
+        except OSError as e:
+            raise WriteFailed(_save_failed(run_dir, tmp, e)) from None
         for aside in run_dir.glob(f".{CHECKPOINT}.old-*"):  # this one, and one a --resume-from-backup came from
             shutil.rmtree(aside, ignore_errors=True)
     if world_size() > 1:
         dist.barrier()  # no rank goes on (or saves again) before the new checkpoint is in place
     return final
+
+
+def _save_failed(run_dir: Path, tmp: Path, error: Exception | None) -> str:
+    """One line for a save that failed, whatever raised it (OSError, torch's RuntimeError, SafetensorError)."""
+    why = "it failed on another rank" if error is None else f"{type(error).__name__}: {' '.join(str(error).split())}"
+    where = getattr(error, "filename", None) or tmp
+    last = find_checkpoint(run_dir)
+    kept, then = f"the last good checkpoint ({last}) was left as it was", "continue with --resume"
+    if last is None:
+        kept, then = "no earlier checkpoint exists", "start the run again"
+    return (
+        f"could not save the checkpoint in {where} ({why[:300]}); {kept}; free space on that disk (or make "
+        f"{run_dir} writable) and {then}"
+    )
 
 
 def _check_finite_before_saving(policy: nn.Module, critic: nn.Module | None, optimizer: Any, state: dict) -> None:

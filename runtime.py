@@ -53,6 +53,10 @@ class NonFiniteError(Exception):
     """A NaN or inf that would be trained on or saved: one line naming the step and the quantity, exit code 3."""
 
 
+class WriteFailed(Exception):
+    """A write that failed (a full disk, whatever library raised it): one line naming the path, exit 1."""
+
+
 class RunFinished(Exception):
     """--resume of a run whose results.json exists: one line, exit code 0, nothing touched."""
 
@@ -81,6 +85,10 @@ def run_main(main: Callable[[], Any]) -> None:
         if main_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = EXIT_NONFINITE
+    except WriteFailed as e:
+        if main_rank:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 1
     except BrokenPipeError:  # stdout's reader went away (`--help | head`): nothing to say, and no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
         code = 1
@@ -841,7 +849,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        with open(self.path, "a", opener=open_nofollow) as f:
+        with named_path(self.path), open(self.path, "a", opener=open_nofollow) as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():
@@ -875,11 +883,23 @@ def write_results(
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", opener=open_nofollow) as f:  # os.replace then replaces a link, never its target
+    with named_path(path), open(tmp, "w", opener=open_nofollow) as f:  # os.replace replaces a link, not its target
         json.dump(obj, f, indent=2, default=str)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def named_path(path: Path) -> Any:
+    """An OSError without a file name (a full disk during write or fsync) gets path's, so that run_main says
+    it in one line instead of a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def read_results(path: Path) -> dict[str, Any]:

@@ -5,11 +5,14 @@ nothing good lost."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from helpers import SMALL_RUN, check_one_error_line, cli, copy_run, run_here, tree_digest
 from test_sweep import sweep
+
+import checkpoint
 
 # ------------------------------------------------------------------------------------------------------
 # 1. Nothing outside the run folder is written or read by following a symbolic link
@@ -88,3 +91,78 @@ def test_a_sweep_folder_that_is_or_holds_a_link_is_refused(tmp_path):
     line = check_one_error_line(sweep("--dry-run", "--out", held, "--seeds", "1"))
     assert "symbolic link" in line and ".lock" in line, line
     assert (outside / "precious.txt").read_text() == "not the run's\n"
+
+
+# ------------------------------------------------------------------------------------------------------
+# 2. A write that fails during a save, whatever library raises it: one line, exit 1, the last good one kept
+# ------------------------------------------------------------------------------------------------------
+
+
+def _fail_second_save(monkeypatch, library: str, run_dir: Path) -> dict:
+    """Make the second save's write fail as a full disk does in `library`; returns what the first save left
+    (its digest), read the moment the failure strikes."""
+    import safetensors.torch
+    import torch
+
+    seen: dict = {"calls": 0}
+    ckpt = run_dir / checkpoint.CHECKPOINT
+
+    def failing(real, message, exc):
+        def wrapper(obj, path, *args, **kwargs):
+            if ckpt.is_dir():  # the first save is in place: this is the second
+                seen.setdefault("digest", tree_digest(ckpt))
+                seen["calls"] += 1
+                raise exc(message)
+            return real(obj, path, *args, **kwargs)
+
+        return wrapper
+
+    if library == "torch":  # what torch.save raised on a full disk (optimizer.pt)
+        msg = "[enforce fail at inline_container.cc:672] . unexpected pos 2304 vs 2198"
+        monkeypatch.setattr(torch, "save", failing(torch.save, msg, RuntimeError))
+    else:  # what safetensors raised (critic.safetensors)
+        from safetensors import SafetensorError
+
+        msg = 'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        monkeypatch.setattr(safetensors.torch, "save_file", failing(safetensors.torch.save_file, msg, SafetensorError))
+    return seen
+
+
+@pytest.mark.parametrize("library", ["torch", "safetensors"])
+def test_a_write_failing_during_a_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, library):
+    run_dir = tmp_path / "run"
+    seen = _fail_second_save(monkeypatch, library, run_dir)
+    proc = run_here("ppo.py", cli(run_dir, **{**SMALL_RUN, "total_steps": 2}, save_every=1))
+    line = check_one_error_line(proc)
+    assert proc.returncode == 1 and seen["calls"] == 1, proc.stdout[-2000:]
+    assert "could not save the checkpoint in" in line and str(run_dir) in line and "--resume" in line, line
+    ckpt = run_dir / checkpoint.CHECKPOINT
+    assert tree_digest(ckpt) == seen["digest"], "the last good checkpoint was changed"
+    checkpoint.verify_checkpoint(ckpt)
+    assert json.loads((ckpt / "state.json").read_text())["counters"]["step"] == 1
+    assert not list(run_dir.glob(".checkpoint.tmp-*")), "the failed save's temporary folder was left"
+
+
+def test_a_full_disk_while_logging_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    import runtime
+
+    logger = runtime.MetricsLogger(tmp_path, enabled=True)
+    logger.tb = None
+
+    class Full:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("builtins.open", Full)
+    with pytest.raises(OSError) as info:
+        logger.log(1, {"reward": 0.5})
+    assert info.value.filename == str(tmp_path / "metrics.jsonl")  # run_main's one line names it
