@@ -839,6 +839,7 @@ def check_measurement(args: Any, world: int) -> None:
 
 
 @torch.no_grad()
+@runtime.stoppable("the Monte Carlo measurement")  # a stop signal ends the run within a decode step
 def monte_carlo(
     model: nn.Module,
     tokenizer: Any,
@@ -983,6 +984,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, fl
 
 
 @torch.no_grad()
+@runtime.stoppable("an evaluation")  # a stop signal ends the run within a decode step
 def evaluate(
     model: nn.Module,
     tokenizer: Any,

@@ -291,7 +291,10 @@ def main() -> None:
         }
         print(runtime.describe_run("PPO", args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
-    logger = runtime.MetricsLogger(run_dir, dist_.main, resume_step=counters["step"] if args.resume else None)
+    logger = runtime.MetricsLogger(
+        run_dir, dist_.main, resume_step=counters["step"] if args.resume else None,
+        resume_rows=counters.get("metrics_rows"),
+    )  # fmt: skip
     ctx = runtime.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
@@ -306,7 +309,7 @@ def main() -> None:
         return res
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
-        counters["wall_time"] = time.time() - t_start
+        counters["wall_time"], counters["metrics_rows"] = time.time() - t_start, logger.rows
         state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
         checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
@@ -500,8 +503,12 @@ def main() -> None:
         bar.update(1)
 
         # --- 8. checkpoint: every save_every steps, and now on a stop signal to any rank ----------------------
-        if stopper.should_stop():
+        saved = args.save_every and counters["step"] % args.save_every == 0
+        if saved:
             save()
+        if stopper.should_stop():  # a signal during the step or its save: the run stops now
+            if not saved:
+                save()
             if dist_.main:
                 print(
                     f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
@@ -509,8 +516,6 @@ def main() -> None:
                     flush=True,
                 )
             return
-        if args.save_every and counters["step"] % args.save_every == 0:
-            save()
     bar.close()
 
     # ==================================================================================================

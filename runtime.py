@@ -57,6 +57,11 @@ class WriteFailed(Exception):
     """A write that failed (a full disk, whatever library raised it): one line naming the path, exit 1."""
 
 
+class Stopped(Exception):
+    """A stop signal honoured outside the training loop's step end (check_stop): the run ends at once, with
+    nothing after its last checkpoint kept; run_main says so in one line and exits 0, as a stop does."""
+
+
 class RunFinished(Exception):
     """--resume of a run whose results.json exists: one line, exit code 0, nothing touched."""
 
@@ -85,6 +90,9 @@ def run_main(main: Callable[[], Any]) -> None:
         if main_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = EXIT_NONFINITE
+    except Stopped as e:
+        if main_rank:
+            print(f"\n{e}; {_after_stop()}", flush=True)
     except WriteFailed as e:
         if main_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -400,20 +408,62 @@ class StopSignal:
     """SIGTERM / SIGINT (preemption under a scheduler) set a flag; the loop finishes its step, saves, exits 0.
 
     Under torchrun a signal may reach one rank only: `should_stop()` all-reduces the flag so that every rank
-    stops after the same step and no rank waits alone in a collective.
+    stops after the same step and no rank waits alone in a collective. Outside the step (an evaluation, the
+    Monte Carlo measurement, DPO's pair sampling: see stoppable) check_stop ends a one-process run at once.
     """
 
     def __init__(self) -> None:
+        global _STOP
         self.flag = False
         self.name = ""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        _STOP = self
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.flag, self.name = True, signal.Signals(signum).name
 
     def should_stop(self) -> bool:
         return not all_ok(not self.flag)
+
+
+_STOP: StopSignal | None = None  # the run's stop signal (the latest made in this process)
+_STOPPABLE: list[str] = []  # what the run is doing that a stop signal cuts short, innermost last
+
+
+@contextlib.contextmanager
+def stoppable(what: str) -> Any:
+    """Within it, check_stop() (between batches and decode steps) ends the run on a stop signal: work that is
+    not saved anyway (an evaluation, a measurement, the pair sampling) is redone by --resume."""
+    _STOPPABLE.append(what)
+    try:
+        yield
+    finally:
+        _STOPPABLE.pop()
+
+
+def check_stop() -> None:
+    """Raise Stopped if a stop signal arrived and the run is inside stoppable(...); otherwise nothing.
+
+    One process only: under torchrun a signal may reach one rank, which would leave the others waiting in a
+    collective, so there the stop waits for the step's end (should_stop) as before."""
+    if not (_STOPPABLE and _STOP is not None and _STOP.flag) or world_size() > 1:
+        return
+    if signal.getsignal(signal.SIGTERM) == _STOP._handle:  # still the run's handler (not a finished run's)
+        raise Stopped(f"stopped by {_STOP.name} during {_STOPPABLE[-1]}")
+
+
+def _after_stop() -> str:
+    """What a stopped run's user does next: --resume from its checkpoint, or start again when it saved none."""
+    run_dir = _RUN_LOCK.run_dir if _RUN_LOCK is not None else None
+    if run_dir is None:
+        return "continue with --resume"
+    if (run_dir / "checkpoint").is_dir():  # checkpoint.CHECKPOINT (checkpoint.py imports this module)
+        return f"nothing after the checkpoint in {run_dir / 'checkpoint'} was kept; continue with --resume"
+    left = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+    if not left:
+        return "nothing was saved; run the same command again"
+    return f"no checkpoint was saved yet; remove {run_dir} and run the same command again"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -816,19 +866,27 @@ def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scal
 class MetricsLogger:
     """Appends one JSON line per step to run_dir/metrics.jsonl (and TensorBoard scalars when installed)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None) -> None:
-        """resume_step: the checkpoint's step. Rows a killed run logged after it (and a half-written last line)
-        are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again."""
+    def __init__(
+        self, run_dir: Path, enabled: bool, resume_step: int | None = None, resume_rows: int | None = None
+    ) -> None:
+        """resume_step: the checkpoint's step; resume_rows: the rows metrics.jsonl held when it was saved (its
+        counters' metrics_rows; None for a checkpoint saved before they were counted). Rows a killed run logged
+        after it (and a half-written last line) are moved to metrics.jsonl.discarded-TIME, as the resumed run
+        logs them again: with resume_rows, every row after the first resume_rows (a final evaluation's row at
+        the checkpoint's own step among them); without, the rows of later steps."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
+        self.rows = 0  # rows in metrics.jsonl: a checkpoint records it (counters["metrics_rows"])
         if enabled and resume_step is not None and self.path.is_file():
             kept, later = [], []
-            for line in self.path.read_text().splitlines():
+            for n, line in enumerate(self.path.read_text().splitlines()):
                 step = None
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     step = json.loads(line)["step"]
-                (kept if isinstance(step, int) and step <= resume_step else later).append(line + "\n")
+                keep = isinstance(step, int) and step <= resume_step and (resume_rows is None or n < resume_rows)
+                (kept if keep else later).append(line + "\n")
+            self.rows = len(kept)
             if later:  # set aside, never dropped: metrics.jsonl.discarded-TIME
                 aside = self.path.with_name(f"{self.path.name}.discarded-{time.strftime('%Y%m%d-%H%M%S')}")
                 aside.write_text("".join(later))
@@ -851,6 +909,7 @@ class MetricsLogger:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         with named_path(self.path), open(self.path, "a", opener=open_nofollow) as f:
             f.write(json.dumps(row) + "\n")
+        self.rows += 1
         if self.tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":

@@ -6,13 +6,18 @@ nothing good lost."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
-from helpers import SMALL_RUN, check_one_error_line, cli, copy_run, run_here, tree_digest
+from helpers import SMALL_RUN, check_ok, check_one_error_line, cli, copy_run, read_metrics, run_here, tree_digest
+from test_dpo import DPO_TINY
 from test_sweep import sweep
 
 import checkpoint
+import common
+import engine
+import runtime
 
 # ------------------------------------------------------------------------------------------------------
 # 1. Nothing outside the run folder is written or read by following a symbolic link
@@ -69,7 +74,6 @@ def test_a_run_folder_that_is_a_link_is_refused(tmp_path):
 
 def test_the_lock_never_opens_through_a_link(tmp_path, monkeypatch):
     """Below the folder check: RunLock opens .lock with O_NOFOLLOW (a link planted after the check is refused)."""
-    import runtime
 
     outside = _outside(tmp_path)
     (tmp_path / "run").mkdir()
@@ -144,7 +148,6 @@ def test_a_write_failing_during_a_save_is_one_line_and_keeps_the_last_checkpoint
 
 
 def test_a_full_disk_while_logging_is_one_line_naming_the_file(tmp_path, monkeypatch):
-    import runtime
 
     logger = runtime.MetricsLogger(tmp_path, enabled=True)
     logger.tb = None
@@ -166,3 +169,98 @@ def test_a_full_disk_while_logging_is_one_line_naming_the_file(tmp_path, monkeyp
     with pytest.raises(OSError) as info:
         logger.log(1, {"reward": 0.5})
     assert info.value.filename == str(tmp_path / "metrics.jsonl")  # run_main's one line names it
+
+
+# ------------------------------------------------------------------------------------------------------
+# 3. A stop signal is honoured wherever a run spends time; --resume redoes only what is missing
+# ------------------------------------------------------------------------------------------------------
+
+# PPO, three steps, a checkpoint after each; validation and the Monte Carlo measurement at step 2
+STOPPED_RUN = {**SMALL_RUN, "total_steps": 3, "save_every": 1, "eval_every": 2, "mc_every": 2, "mc_prompts": 2}
+
+
+def _signal_on_call(monkeypatch, module, name: str, nth: int) -> dict:
+    """SIGTERM to this process as module.name is entered for the nth time (as a scheduler's would arrive
+    then); counts the calls."""
+    import signal
+
+    real, seen = getattr(module, name), {"calls": 0}
+
+    def wrapper(*args, **kwargs):
+        seen["calls"] += 1
+        if seen["calls"] == nth:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return seen
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    """metrics.jsonl rows without the wall-clock fields, which differ between any two runs."""
+    timed = ("time/", "seconds", "tokens_per_s", "wall_time")
+    return [{k: v for k, v in r.items() if not any(t in k for t in timed)} for r in rows]
+
+
+def _results(run_dir: Path) -> dict:
+    r = json.loads((run_dir / "results.json").read_text())
+    return {"test": {k: r["test"][k] for k in ("accuracy", "n", "correct")}, "val": r["val"]["correct"]}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    check_ok(run_here("ppo.py", cli(run_dir, **STOPPED_RUN)))
+    return read_metrics(run_dir), _results(run_dir)
+
+
+@pytest.mark.parametrize(
+    "where, nth, during",
+    [
+        ("evaluate", 1, "an evaluation"),  # the validation at step 2
+        ("evaluate", 2, "an evaluation"),  # the final validation
+        ("evaluate", 3, "an evaluation"),  # the final test
+        ("monte_carlo", 2, "the Monte Carlo measurement"),  # at step 2 (the first is at step 0)
+        ("save_checkpoint", 1, None),  # the save after step 1: the run stops then, not a step later
+    ],
+)
+def test_a_stop_signal_anywhere_stops_at_once_and_resume_redoes_only_what_is_missing(
+    tmp_path, monkeypatch, straight_run, where, nth, during
+):
+
+    run_dir = tmp_path / "run"
+    module = checkpoint if where == "save_checkpoint" else common
+    seen = _signal_on_call(monkeypatch, module, where, nth)
+    proc = run_here("ppo.py", cli(run_dir, **STOPPED_RUN))
+    check_ok(proc)
+    assert seen["calls"] == nth, f"{where} was called again after the signal: the run went on"
+    if during is None:
+        assert "stopped by SIGTERM after step 1" in proc.stdout, proc.stdout[-2000:]
+        assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["counters"]["step"] == 1
+    else:
+        assert f"stopped by SIGTERM during {during}" in proc.stdout and "--resume" in proc.stdout, proc.stdout[-2000:]
+    assert not (run_dir / "results.json").exists()
+    monkeypatch.undo()
+    check_ok(run_here("ppo.py", cli(run_dir, **STOPPED_RUN, resume=True)))
+    rows, results = straight_run
+    assert _untimed(read_metrics(run_dir)) == _untimed(rows), "a row is missing, changed or logged twice"
+    assert _results(run_dir) == results
+
+
+def test_a_stop_signal_during_dpo_pair_sampling_stops_at_once_and_nothing_is_left(tmp_path, monkeypatch):
+
+    flags = {"total_steps": 1}
+    straight = tmp_path / "straight"
+    check_ok(run_here("dpo.py", cli(straight, DPO_TINY, **flags)))
+    run_dir = tmp_path / "run"
+    seen = _signal_on_call(monkeypatch, engine, "generate", 1)  # the first sampling batch of the offline pairs
+    proc = run_here("dpo.py", cli(run_dir, DPO_TINY, **flags))
+    check_ok(proc)
+    assert seen["calls"] == 1, "the pair sampling went on after the signal"
+    assert "stopped by SIGTERM during the offline pair sampling" in proc.stdout, proc.stdout[-2000:]
+    assert "run the same command again" in proc.stdout
+    monkeypatch.undo()
+    check_ok(run_here("dpo.py", cli(run_dir, DPO_TINY, **flags)))  # as it says
+    assert _untimed(read_metrics(run_dir)) == _untimed(read_metrics(straight))
+    assert (run_dir / "pairs.jsonl").read_text() == (straight / "pairs.jsonl").read_text()
