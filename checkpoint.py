@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
@@ -454,6 +455,41 @@ RESUMABLE_ARGS = {
 }
 
 
+def _check_state(state: dict[str, Any], path: Path, saved: dict[str, Any]) -> None:
+    """Every field a resume reads from state.json, checked: a consistent but wrong state is one line, not a
+    traceback (or a run that goes on from a step that never was). The sampler's position against its data is
+    checked by common.PromptSampler.load_state_dict, which knows the data's size."""
+
+    def bad(why: str) -> UserError:
+        return UserError(f"checkpoint {path} is damaged (state.json: {why}); it was left in place")
+
+    def count(v: Any) -> bool:  # a non-negative int, never a bool
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    counters = state.get("counters")
+    if not isinstance(counters, dict):
+        raise bad("no counters object")
+    for key in ("step", "generated_tokens", "mc_tokens", "eval_tokens", "wall_time"):
+        if key not in counters:
+            raise bad(f"counters lack {key!r}")
+    for key, v in counters.items():
+        ok = (
+            (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)
+            if key == "wall_time"
+            else count(v)
+        )
+        if not ok:
+            raise bad(f"counters.{key} is {v!r}, not a {'time' if key == 'wall_time' else 'count'}")
+    total = saved.get("total_steps")
+    if count(total) and counters["step"] > total:
+        raise bad(f"counters.step is {counters['step']}, beyond --total-steps {total}")
+    sampler = state.get("sampler")
+    if not (isinstance(sampler, dict) and count(sampler.get("epoch")) and count(sampler.get("pos"))):
+        raise bad(f"sampler is {sampler!r}, not an epoch and a position")
+    if "world" in state and not (count(state["world"]) and state["world"] >= 1):
+        raise bad(f"world is {state['world']!r}, not a number of ranks")
+
+
 def load_checkpoint(
     run_dir: Path,
     *,
@@ -485,6 +521,7 @@ def load_checkpoint(
             f"cannot resume {run_dir}: essential arguments differ ({shown}); the checkpoint was left in place"
         )
     state = _read_json_object(path / "state.json", path)
+    _check_state(state, path, saved)
     if (path / "dcp").exists() != (saved.get("fsdp") is True):  # the sharded branch only for an --fsdp save
         raise UserError(
             f"checkpoint {path} is damaged (its args.json says fsdp={saved.get('fsdp')!r} but it "

@@ -160,6 +160,11 @@ class PromptSampler:
         return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
+        if not 0 <= int(state["pos"]) <= self.n:  # a checkpoint of other data, or a crafted one
+            raise runtime.UserError(
+                f"the checkpoint's data position {state['pos']} is beyond the {self.n} items this run samples from; "
+                "it was saved on other data"
+            )
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._perm = self._permutation()
 
@@ -925,6 +930,11 @@ def explained_variance_masked(values: torch.Tensor, returns: torch.Tensor, mask:
 # ======================================================================================================
 
 
+def ratio(total: float, n: float) -> float | None:
+    """total / n, or None over zero items: a statistic of nothing is absent (null in JSON), never 0.0."""
+    return total / n if n else None
+
+
 def wilson_interval(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """The 95% Wilson score interval for k successes in n trials."""
     if n == 0:
@@ -1042,11 +1052,11 @@ def evaluate(
     n = int(n)
     lo, hi = wilson_interval(correct, n)
     return {
-        "accuracy": correct / max(n, 1),
-        "ci95": [lo, hi],
+        "accuracy": ratio(correct, n),  # None over zero problems: absent, never 0.0
+        "ci95": [lo, hi] if n else [None, None],
         "n": n,
-        "format_rate": formatted / max(n, 1),
-        "mean_tokens": tokens / max(n, 1),
+        "format_rate": ratio(formatted, n),
+        "mean_tokens": ratio(tokens, n),
         "generated_tokens": int(tokens),
         "seconds": time.time() - t0,
         "samples": samples,
@@ -1055,11 +1065,13 @@ def evaluate(
 
 
 def eval_metrics(split: str, res: dict[str, Any]) -> dict[str, float]:
-    """The metrics.jsonl keys of one evaluation: accuracy with its 95% interval, format rate, seconds."""
-    return {
+    """The metrics.jsonl keys of one evaluation: accuracy with its 95% interval, format rate, seconds. Those of
+    an evaluation of zero problems are absent (None), never 0.0."""
+    row = {
         f"{split}/accuracy": res["accuracy"],
         f"{split}/ci_low": res["ci95"][0],
         f"{split}/ci_high": res["ci95"][1],
         f"{split}/format_rate": res["format_rate"],
         f"{split}/seconds": res["seconds"],
     }
+    return {k: v for k, v in row.items() if v is not None}

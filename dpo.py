@@ -370,8 +370,8 @@ def main() -> None:
                 tmp.replace(pairs_path)
                 offline_metrics = {
                     "pairs/count": len(pair_set),
-                    "pairs/no_pair_share": pair_stats["no_pair"] / max(1, len(offline)),
-                    "pairs/sampled_reward": pair_stats["reward"] / max(1, pair_stats["completions"]),
+                    "pairs/no_pair_share": common.ratio(pair_stats["no_pair"], len(offline)),
+                    "pairs/sampled_reward": common.ratio(pair_stats["reward"], pair_stats["completions"]),
                     "generated_tokens": counters["generated_tokens"],
                 }
                 logger.log(0, offline_metrics)
@@ -482,7 +482,7 @@ def main() -> None:
             counters["generated_tokens"] += int(sampled["response_len"])
             metrics.update(
                 {
-                    "reward": sampled["reward"] / max(1, sampled["completions"]),
+                    "reward": common.ratio(sampled["reward"], sampled["completions"]),
                     "no_pair_share": sampled["no_pair"] / args.batch_size,
                     "tokens_per_s": sampled["response_len"] / max(t_rollout, 1e-9),
                 }

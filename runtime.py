@@ -933,9 +933,9 @@ def write_results(
     results = {**fields, "test": test, "device": device_description(device, world), "date": time.strftime("%Y-%m-%d")}
     write_json_atomic(run_dir / "results.json", results)
     lo, hi = test["ci95"]
+    acc = "none" if test["accuracy"] is None else f"{100 * test['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
     print(
-        f"test accuracy {100 * test['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] on {test['n']} problems "
-        f"after {fields['steps']} steps ({run_dir / 'results.json'})",
+        f"test accuracy {acc} on {test['n']} problems after {fields['steps']} steps ({run_dir / 'results.json'})",
         flush=True,
     )
 

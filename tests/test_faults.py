@@ -264,3 +264,53 @@ def test_a_stop_signal_during_dpo_pair_sampling_stops_at_once_and_nothing_is_lef
     check_ok(run_here("dpo.py", cli(run_dir, DPO_TINY, **flags)))  # as it says
     assert _untimed(read_metrics(run_dir)) == _untimed(read_metrics(straight))
     assert (run_dir / "pairs.jsonl").read_text() == (straight / "pairs.jsonl").read_text()
+
+
+# ------------------------------------------------------------------------------------------------------
+# 7. Every field a resume reads from a checkpoint's state is checked; no statistic over zero items
+# ------------------------------------------------------------------------------------------------------
+
+CRAFTED_STATES = {  # what a consistent (re-hashed) but wrong state.json holds, and a word the refusal names
+    "no counters": (lambda s: s.pop("counters"), "counters"),
+    "a counter missing": (lambda s: s["counters"].pop("step"), "step"),
+    "a negative step": (lambda s: s["counters"].update(step=-1), "counters.step"),
+    "a step as text": (lambda s: s["counters"].update(step="1"), "counters.step"),
+    "a step beyond the run": (lambda s: s["counters"].update(step=99), "beyond --total-steps"),
+    "a non-finite wall time": (lambda s: s["counters"].update(wall_time=float("inf")), "wall_time"),
+    "a token count as a float": (lambda s: s["counters"].update(generated_tokens=1.5), "generated_tokens"),
+    "no sampler": (lambda s: s.pop("sampler"), "sampler"),
+    "a sampler position beyond the data": (lambda s: s["sampler"].update(pos=10**9), "data position"),
+    "a sampler epoch below zero": (lambda s: s["sampler"].update(epoch=-1), "sampler"),
+    "no ranks": (lambda s: s.update(world=0), "world"),
+}
+
+
+@pytest.mark.parametrize("crafted", list(CRAFTED_STATES))
+def test_a_crafted_checkpoint_state_is_one_line(finished_run, tmp_path, crafted):
+    from test_checkpoint import rehash
+
+    change, word = CRAFTED_STATES[crafted]
+    run_dir = copy_run(finished_run, tmp_path)
+    (run_dir / "results.json").unlink()  # killed after its last save
+    ckpt = run_dir / checkpoint.CHECKPOINT
+    state = json.loads((ckpt / "state.json").read_text())
+    change(state)
+    (ckpt / "state.json").write_text(json.dumps(state))
+    rehash(ckpt)
+    before = tree_digest(ckpt)
+    line = check_one_error_line(run_here("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
+    assert word in line, line
+    assert tree_digest(ckpt) == before and not (run_dir / "results.json").exists()
+
+
+def test_an_evaluation_of_zero_problems_reads_absent_not_zero(tiny_tokenizer):
+    model = runtime.load_model(runtime.TINY_MODEL, tiny_tokenizer)
+    res = common.evaluate(
+        model, tiny_tokenizer, [], task="gsm8k", prompt_format="chat", max_new_tokens=4, batch_size=4,
+        show_progress=False,
+    )  # fmt: skip
+    assert res["n"] == 0
+    assert res["accuracy"] is None and res["format_rate"] is None and res["mean_tokens"] is None
+    assert res["ci95"] == [None, None]
+    assert common.eval_metrics("test", res) == {"test/seconds": res["seconds"]}  # the rest absent
+    assert common.ratio(0, 0) is None and common.ratio(3, 4) == 0.75
