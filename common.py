@@ -45,6 +45,12 @@ class Problem:
     question: str
     solution: str  # the reference solution, ending in "#### N"
     gold: str  # its final answer, normalised by normalize_number
+    source: str = ""  # where it was read: "path:line" (or "openai/gsm8k test row N"), for the refusals
+
+
+# The longest question a data file may hold, in characters: GSM8K's longest is 985 (train) and 848 (test). A
+# longer one (a 200 KB question) is refused when the data loads, naming its file and line, before any work.
+MAX_QUESTION_CHARS = 4000
 
 
 def _read_jsonl(path: Path) -> list[Problem]:
@@ -72,8 +78,40 @@ def _parse_jsonl(path: Path, f: Any) -> list[Problem]:
         gold = extract_final_answer(solution)
         if gold is None:
             raise runtime.UserError(f"{path}:{lineno}: the answer has no final '#### N' number")
-        problems.append(Problem(question, solution, gold))
+        check_question_length(question, f"{path}:{lineno}")
+        problems.append(Problem(question, solution, gold, f"{path}:{lineno}"))
     return problems
+
+
+def check_question_length(question: str, where: str) -> None:
+    if len(question) > MAX_QUESTION_CHARS:
+        raise runtime.UserError(
+            f"{where}: a question of {len(question):,} characters, over the limit of {MAX_QUESTION_CHARS:,} "
+            "(common.MAX_QUESTION_CHARS; GSM8K's longest is 985): remove or shorten that line"
+        )
+
+
+def check_prompt_lengths(
+    splits: dict[str, list[Problem]], tokenizer: Any, prompt_format: str, model: str, max_new_tokens: int
+) -> int:
+    """The longest prompt of every split, in tokens (the few longest questions by UTF-8 bytes tokenised: a byte
+    -level tokenizer never gives more tokens than bytes). A prompt that with max_new_tokens exceeds the model's
+    context is refused naming its file and line; the memory estimate made before loading is made again with
+    the longest prompt in place of runtime.PROMPT_TOKENS. Returns the longest prompt's length."""
+    context = getattr(runtime.model_config(model), "max_position_embeddings", None)
+    longest, where = 0, ""
+    for problems in splits.values():
+        for p in sorted(problems, key=lambda p: len(p.question.encode()), reverse=True)[:8]:
+            n = len(encode_prompt(tokenizer, p.question, prompt_format))
+            if n > longest:
+                longest, where = n, p.source
+    if context and longest + max_new_tokens > context:
+        raise runtime.UserError(
+            f"{where}: a prompt of {longest:,} tokens, which with {max_new_tokens} new tokens exceeds the model's "
+            f"context of {context:,}: remove or shorten that line"
+        )
+    runtime.recheck_generation_memory(longest)
+    return longest
 
 
 def resolve_data_dir(data_dir: str | None) -> str | None:
@@ -125,7 +163,8 @@ def _load_gsm8k_hub() -> dict[str, list[Problem]]:
             gold = extract_final_answer(row["answer"])
             if gold is None:
                 raise runtime.UserError(f"openai/gsm8k {split} row {i}: the answer has no final '#### N' number")
-            rows.append(Problem(row["question"], row["answer"], gold))
+            check_question_length(row["question"], f"openai/gsm8k {split} row {i}")
+            rows.append(Problem(row["question"], row["answer"], gold, f"openai/gsm8k {split} row {i}"))
         out[split] = rows
     return out
 

@@ -191,6 +191,8 @@ def main() -> None:
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     tokenizer = runtime.load_tokenizer(args.model)
+    new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
+    common.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
     prompt_cache: dict[int, list[int]] = {}
 
     def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation

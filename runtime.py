@@ -360,10 +360,32 @@ def device_memory_bytes(device: torch.device) -> int:
 PROMPT_TOKENS = 256  # a generous GSM8K chat prompt, for the memory estimate only
 
 
-def check_generation_memory(model: str, device: torch.device, batches: dict[str, tuple[int, int]]) -> None:
+_MEMORY_CHECKED: tuple[str, torch.device, dict[str, tuple[int, int]]] | None = None  # for the recheck
+
+
+def recheck_generation_memory(prompt_tokens: int) -> None:
+    """check_generation_memory again, as last called, with the data's longest prompt (common.check_prompt_lengths)."""
+    if _MEMORY_CHECKED is not None:
+        check_generation_memory(*_MEMORY_CHECKED, prompt_tokens=max(prompt_tokens, PROMPT_TOKENS))
+
+
+def model_config(model: str) -> Any:
+    """The model's config, or None when it cannot be read (loading the model reports why)."""
+    try:
+        return _model_config(model)
+    except Exception:
+        return None
+
+
+def check_generation_memory(
+    model: str, device: torch.device, batches: dict[str, tuple[int, int]], prompt_tokens: int = PROMPT_TOKENS
+) -> None:
     """A rough check before the model loads: each generation batch, {flags: (sequences, new tokens)}, needs its
     KV cache (2 x layers x KV heads x head dim per token) and one step of logits (the vocabulary per sequence);
-    a batch that would not fit the device's memory is refused with the estimate. Unknown models pass."""
+    a batch that would not fit the device's memory is refused with the estimate. Unknown models pass. Made
+    again once the data is read, with its longest prompt (recheck_generation_memory)."""
+    global _MEMORY_CHECKED
+    _MEMORY_CHECKED = (model, device, batches)
     try:
         config = _model_config(model)
     except Exception:
@@ -374,11 +396,11 @@ def check_generation_memory(model: str, device: torch.device, batches: dict[str,
     elem = 2 if device.type == "cuda" else 4  # bf16 on a GPU, fp32 on the CPU
     total = device_memory_bytes(device)
     for flags, (rows, new_tokens) in batches.items():
-        kv = 2 * layers * kv_heads * head_dim * elem * rows * (PROMPT_TOKENS + new_tokens)
+        kv = 2 * layers * kv_heads * head_dim * elem * rows * (prompt_tokens + new_tokens)
         need = kv + rows * config.vocab_size * 4
         if need > total:
             raise UserError(
-                f"{flags}: a generation batch of {rows:,} sequences of up to {PROMPT_TOKENS} + {new_tokens} tokens "
+                f"{flags}: a generation batch of {rows:,} sequences of up to {prompt_tokens} + {new_tokens} tokens "
                 f"needs about {need / 2**30:,.1f} GiB (KV cache and logits), more than the {device.type} memory "
                 f"({total / 2**30:,.1f} GiB); lower it"
             )

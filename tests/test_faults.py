@@ -314,3 +314,48 @@ def test_an_evaluation_of_zero_problems_reads_absent_not_zero(tiny_tokenizer):
     assert res["ci95"] == [None, None]
     assert common.eval_metrics("test", res) == {"test/seconds": res["seconds"]}  # the rest absent
     assert common.ratio(0, 0) is None and common.ratio(3, 4) == 0.75
+
+
+# ------------------------------------------------------------------------------------------------------
+# 5. Inputs bounded before the work starts: a long question, a prompt beyond the context, the memory estimate
+# ------------------------------------------------------------------------------------------------------
+
+
+def _data_with_test_question(tmp_path: Path, gsm8k_dir: Path, question: str) -> tuple[Path, int]:
+    """A copy of GSM8K whose test.jsonl gets one more problem with this question; returns it and its line."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(gsm8k_dir, data)
+    with open(data / "test.jsonl", "a") as f:
+        f.write(json.dumps({"question": question, "answer": "It is 4.\n#### 4"}) + "\n")
+    return data, len((data / "test.jsonl").read_text().splitlines())
+
+
+def test_a_200kb_question_is_refused_when_the_data_loads_naming_its_line(tmp_path, gsm8k_dir):
+    data, line = _data_with_test_question(tmp_path, gsm8k_dir, "How many? " * 20_000)
+    run_dir = tmp_path / "run"
+    err = check_one_error_line(run_here("ppo.py", cli(run_dir, **SMALL_RUN, data_dir=data)))
+    assert f"test.jsonl:{line}:" in err and "200,000 characters" in err, err
+    assert not run_dir.exists() or not any(p.name != "tb" for p in run_dir.iterdir()), "work started"
+
+
+def test_a_prompt_beyond_the_models_context_is_refused_before_any_work(tmp_path, gsm8k_dir):
+    data, line = _data_with_test_question(tmp_path, gsm8k_dir, "€" * 3900)  # under the character limit
+    run_dir = tmp_path / "run"
+    proc = run_here("ppo.py", cli(run_dir, **SMALL_RUN, data_dir=data, eval_max_new_tokens=300))
+    err = check_one_error_line(proc)
+    assert f"test.jsonl:{line}:" in err and "context of 4,096" in err, err
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_the_memory_estimate_is_made_again_with_the_longest_prompt(monkeypatch):
+    batches = {"--eval-batch-size": (64, 8)}
+    runtime.check_generation_memory(runtime.TINY_MODEL, runtime.torch.device("cpu"), batches)  # passes
+    config = runtime.tiny_config()
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 64
+    fits = per_token * (runtime.PROMPT_TOKENS + 8) + 64 * config.vocab_size * 4
+    monkeypatch.setattr(runtime, "device_memory_bytes", lambda device: fits)  # room for 256-token prompts only
+    runtime.recheck_generation_memory(runtime.PROMPT_TOKENS)
+    with pytest.raises(runtime.UserError, match="up to 1000 \\+ 8 tokens"):
+        runtime.recheck_generation_memory(1000)
