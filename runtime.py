@@ -759,15 +759,37 @@ def resolve_model(name: str) -> Path | str:
     raise UserError(f"unknown model {name!r}: give smollm2, tiny, a hub id, a local folder or a .gguf file")
 
 
+def _load_from(name: str, what: str, load: Callable[[Path | str], T]) -> T:
+    """load(resolve_model(name)). A conversion in this project's cache that fails to load (a truncated
+    model.safetensors or tokenizer.json) is named, moved aside (NAME.damaged-TIME) and converted again, once;
+    if that fails too, the refusal gives the command that clears it."""
+    source = resolve_model(name)
+    try:
+        return load(source)
+    except Exception as e:
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        cached = isinstance(source, Path) and source.parent == cache_root()
+        if not cached:
+            raise UserError(f"could not load {what} {name!r}: {why}") from None
+    aside = source.with_name(f"{source.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    with contextlib.suppress(OSError):  # another process may have moved it first
+        os.rename(source, aside)
+    print(f"the cached conversion {source} is damaged ({why}); moved to {aside}, converting again", flush=True)
+    source = resolve_model(name)
+    try:
+        return load(source)
+    except Exception as e:
+        raise UserError(
+            f"could not load {what} {name!r} from the cache {source} ({type(e).__name__}: {e}), even converted "
+            f"again; clear the cache with: rm -rf {cache_root()}"
+        ) from None
+
+
 def load_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
     quiet_transformers()
-    source = resolve_model(name)
-    try:
-        tok = AutoTokenizer.from_pretrained(source)
-    except Exception as e:
-        raise UserError(f"could not load the tokenizer of {name!r}: {type(e).__name__}: {e}") from None
+    tok = _load_from(name, "the tokenizer of", AutoTokenizer.from_pretrained)
     _set_pad_token(tok)
     return tok
 
@@ -810,10 +832,9 @@ def load_model(name: str, tokenizer: Any, seed: int = 0) -> nn.Module:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(tiny_config(tokenizer))
     else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=torch.float32)
-        except Exception as e:
-            raise UserError(f"could not load model {name!r}: {type(e).__name__}: {e}") from None
+        model = _load_from(
+            name, "model", lambda source: AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        )
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model

@@ -359,3 +359,55 @@ def test_the_memory_estimate_is_made_again_with_the_longest_prompt(monkeypatch):
     runtime.recheck_generation_memory(runtime.PROMPT_TOKENS)
     with pytest.raises(runtime.UserError, match="up to 1000 \\+ 8 tokens"):
         runtime.recheck_generation_memory(1000)
+
+
+# ------------------------------------------------------------------------------------------------------
+# 6. A damaged model or tokenizer cache is named, moved aside and rebuilt, or refused with the command
+# ------------------------------------------------------------------------------------------------------
+
+
+def _damaged_cache(tmp_path: Path, monkeypatch) -> Path:
+    """A temporary RLVR_CACHE holding the packaged model's conversion with a truncated tokenizer.json (the
+    small files copied from the real cache; the weights are not needed to load a tokenizer)."""
+    import shutil
+
+    real = runtime.resolve_model(runtime.PACKAGED_MODEL)  # the primed cache's folder
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RLVR_CACHE", str(cache))
+    folder = cache / real.name
+    folder.mkdir(parents=True)
+    for p in real.iterdir():
+        if p.suffix != ".safetensors":
+            shutil.copy(p, folder / p.name)
+    text = (folder / "tokenizer.json").read_bytes()
+    (folder / "tokenizer.json").write_bytes(text[: len(text) // 2])
+    assert runtime.resolve_model(runtime.PACKAGED_MODEL) == folder
+    return folder
+
+
+def test_a_damaged_tokenizer_cache_is_named_moved_aside_and_rebuilt(tmp_path, monkeypatch, capsys):
+    folder = _damaged_cache(tmp_path, monkeypatch)
+    tok = runtime.load_tokenizer(runtime.TINY_MODEL)
+    assert tok.pad_token_id is not None and len(tok("How many apples?")["input_ids"]) > 0
+    out = capsys.readouterr().out
+    assert f"the cached conversion {folder} is damaged" in out, out
+    (aside,) = folder.parent.glob(f"{folder.name}.damaged-*")
+    assert len((aside / "tokenizer.json").read_bytes()) < len((folder / "tokenizer.json").read_bytes())
+    assert (folder / "model.safetensors").is_file(), "not rebuilt"
+
+
+def test_a_cache_still_damaged_after_the_rebuild_is_refused_with_the_command_that_clears_it(tmp_path, monkeypatch):
+    folder = _damaged_cache(tmp_path, monkeypatch)
+    damaged = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(folder, damaged)
+
+    def rebuild_damaged(gguf):  # a conversion that comes out damaged again (say, the disk is full)
+        if not folder.exists():
+            shutil.copytree(damaged, folder)
+        return folder
+
+    monkeypatch.setattr(runtime, "_dequantised_cache", rebuild_damaged)
+    with pytest.raises(runtime.UserError, match=f"clear the cache with: rm -rf {tmp_path / 'cache'}"):
+        runtime.load_tokenizer(runtime.TINY_MODEL)
