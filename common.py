@@ -98,7 +98,10 @@ def check_prompt_lengths(
     -level tokenizer never gives more tokens than bytes). A prompt that with max_new_tokens exceeds the model's
     context is refused naming its file and line; the memory estimate made before loading is made again with
     the longest prompt in place of runtime.PROMPT_TOKENS. Returns the longest prompt's length."""
-    context = getattr(runtime.model_config(model), "max_position_embeddings", None)
+    try:
+        context = runtime._model_config(model).max_position_embeddings
+    except Exception:  # an unknown model or config: loading the model reports it
+        context = None
     longest, where = 0, ""
     for problems in splits.values():
         for p in sorted(problems, key=lambda p: len(p.question.encode()), reverse=True)[:8]:

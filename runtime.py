@@ -2,9 +2,8 @@
 
 Holds: user errors, run_main and the command line (cli: tyro with a preset as its default), distributed setup
 and its collectives, seeding, the stop signal, DDP/FSDP and whole-weight copies, model and tokenizer loading
-(the packaged GGUF's cache, the tiny test model), the run banner, metrics logging and results, the run folder's
-lock.
-Does not hold: checkpoints and the run folder's checks (checkpoint.py), generation or the training forward
+(the packaged GGUF's cache, the tiny test model), the run banner, metrics logging and results.
+Does not hold: checkpoints, the run folder's checks and its lock (checkpoint.py), generation or the training forward
 (engine.py), data, reward, losses or measurement (common.py).
 Nothing here imports another module of this project.
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import fcntl
 import gc
 import hashlib
 import importlib.util
@@ -68,6 +66,10 @@ class RunFinished(Exception):
 
 EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
 
+# The run folder's part in run_main, set by checkpoint.py (which holds the run folder and its lock; this module
+# imports nothing of the project): the lock's release on every exit, and what a stopped run's user does next.
+_RUN_FOLDER: dict[str, Callable[[], Any]] = {"release": lambda: None, "after_stop": lambda: "continue with --resume"}
+
 
 def run_main(main: Callable[[], Any]) -> None:
     """Run a trainer's main(): a UserError (a bad flag included: see cli) becomes one line and exit code 2 on every rank; a NonFiniteError
@@ -92,7 +94,7 @@ def run_main(main: Callable[[], Any]) -> None:
         code = EXIT_NONFINITE
     except Stopped as e:
         if main_rank:
-            print(f"\n{e}; {_after_stop()}", flush=True)
+            print(f"\n{e}; {_RUN_FOLDER['after_stop']()}", flush=True)
     except WriteFailed as e:
         if main_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -111,7 +113,7 @@ def run_main(main: Callable[[], Any]) -> None:
             print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr, flush=True)
         code = 1
     finally:
-        release_run_lock()
+        _RUN_FOLDER["release"]()
         # a process group left to the interpreter's teardown can abort in gloo's threads ("terminate called
         # without an active exception", exit -6 after a finished run): every rank that finished waits for the
         # others, the modules that hold the group (FSDP's mesh, DDP's reducer, in reference cycles) are freed,
@@ -369,14 +371,6 @@ def recheck_generation_memory(prompt_tokens: int) -> None:
         check_generation_memory(*_MEMORY_CHECKED, prompt_tokens=max(prompt_tokens, PROMPT_TOKENS))
 
 
-def model_config(model: str) -> Any:
-    """The model's config, or None when it cannot be read (loading the model reports why)."""
-    try:
-        return _model_config(model)
-    except Exception:
-        return None
-
-
 def check_generation_memory(
     model: str, device: torch.device, batches: dict[str, tuple[int, int]], prompt_tokens: int = PROMPT_TOKENS
 ) -> None:
@@ -455,8 +449,7 @@ _STOPPABLE: list[str] = []  # what the run is doing that a stop signal cuts shor
 
 @contextlib.contextmanager
 def stoppable(what: str) -> Any:
-    """Within it, check_stop() (between batches and decode steps) ends the run on a stop signal: work that is
-    not saved anyway (an evaluation, a measurement, the pair sampling) is redone by --resume."""
+    """Within it, check_stop() ends the run on a stop signal: work never saved (an evaluation), redone on resume."""
     _STOPPABLE.append(what)
     try:
         yield
@@ -465,27 +458,12 @@ def stoppable(what: str) -> Any:
 
 
 def check_stop() -> None:
-    """Raise Stopped if a stop signal arrived and the run is inside stoppable(...); otherwise nothing.
-
-    One process only: under torchrun a signal may reach one rank, which would leave the others waiting in a
-    collective, so there the stop waits for the step's end (should_stop) as before."""
+    """Raise Stopped if a stop signal arrived inside stoppable(...). One process only: under torchrun a signal may
+    reach one rank, leaving the others in a collective, so there the stop waits for the step's end as before."""
     if not (_STOPPABLE and _STOP is not None and _STOP.flag) or world_size() > 1:
         return
     if signal.getsignal(signal.SIGTERM) == _STOP._handle:  # still the run's handler (not a finished run's)
         raise Stopped(f"stopped by {_STOP.name} during {_STOPPABLE[-1]}")
-
-
-def _after_stop() -> str:
-    """What a stopped run's user does next: --resume from its checkpoint, or start again when it saved none."""
-    run_dir = _RUN_LOCK.run_dir if _RUN_LOCK is not None else None
-    if run_dir is None:
-        return "continue with --resume"
-    if (run_dir / "checkpoint").is_dir():  # checkpoint.CHECKPOINT (checkpoint.py imports this module)
-        return f"nothing after the checkpoint in {run_dir / 'checkpoint'} was kept; continue with --resume"
-    left = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
-    if not left:
-        return "nothing was saved; run the same command again"
-    return f"no checkpoint was saved yet; remove {run_dir} and run the same command again"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -1016,126 +994,6 @@ def read_results(path: Path) -> dict[str, Any]:
         raise UserError(f"{path} is damaged: {e}") from None
 
 
-def refuse_links(folder: Path, what: str = "--run-dir") -> None:
-    """A run's folder, and everything in it, is never a symbolic link: a run folder received from someone else
-    must not make a run write (or read) a file elsewhere by following one. Refused in one line, before anything
-    is written. The folders above it may be links (runs/ on a scratch disk)."""
-    folder = Path(folder)
-    if folder.is_symlink():
-        raise UserError(
-            f"{what} {folder} is a symbolic link (to {os.readlink(folder)}); a run never follows one: "
-            "pass the folder it points to, or another; nothing was written"
-        )
-    if not folder.is_dir():
-        return
-    for root, dirs, files in os.walk(folder):  # never follows a link: it lists one as a name
-        for name in dirs + files:
-            p = Path(root) / name
-            if p.is_symlink():
-                raise UserError(
-                    f"{folder} holds a symbolic link, {p.relative_to(folder)} -> {os.readlink(p)}; a run never "
-                    "follows one: remove it (or choose another folder); nothing was written"
-                )
-
-
 def open_nofollow(path: Path | str, flags: int) -> int:
     """os.open opener that refuses a symbolic link at the last component (ELOOP, an OSError naming the path)."""
     return os.open(path, flags | os.O_NOFOLLOW, 0o644)
-
-
-# ------------------------------------------------------------------------------------------------------
-# The run folder's lock: <run_dir>/.lock, one JSON line {"pid": N, "holder": "ppo.py"}, flock'ed
-# ------------------------------------------------------------------------------------------------------
-
-LOCK_FILE = ".lock"
-
-
-class RunLock:
-    """An OS-level lock on a run folder (fcntl.flock on run_dir/.lock), held for the life of the run.
-
-    The file holds one JSON line, {"pid": N, "holder": "ppo.py"}, for the refusal message of whoever comes
-    second (sweep.sh writes the same line for its own lock). The kernel drops the lock when the process ends,
-    however it ends; release() also removes the file, and the folder when the run created it and left nothing
-    else in it. Acquiring checks that the file locked is still the one at the path (a releasing run may have
-    just removed it), so that two runs never hold locks on two different files."""
-
-    def __init__(self, run_dir: Path, holder: str | None = None) -> None:
-        self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK_FILE
-        self.holder = holder or Path(sys.argv[0]).name or "python"
-        self.fd: int | None = None
-        self.created = False
-
-    def acquire(self) -> RunLock:
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise UserError(f"--run-dir {self.run_dir} is not a folder (a file of that name exists)")
-        refuse_links(self.run_dir)
-        self.created = not self.run_dir.exists()
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a link: ELOOP
-            except OSError as e:
-                raise UserError(f"cannot write in the run folder {self.run_dir}: {e.strerror or e}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise UserError(f"{self.run_dir} is in use by {describe_lock_holder(self.path)}") from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # locked a file its holder removed on release: take the new one
-        os.ftruncate(fd, 0)
-        os.write(fd, (json.dumps({"pid": os.getpid(), "holder": self.holder}) + "\n").encode())
-        self.fd = fd
-        return self
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)  # while still held: whoever opened it before checks the inode
-        if self.created:
-            with contextlib.suppress(OSError):
-                self.run_dir.rmdir()  # only when empty: a run that wrote nothing leaves no folder
-        os.close(self.fd)
-        self.fd = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-def describe_lock_holder(path: Path) -> str:
-    """'ppo.py (pid 1234)', from the JSON line a lock file holds; 'another process' when unreadable."""
-    try:
-        info = json.loads(Path(path).read_text().splitlines()[0])
-        return f"{info['holder']} (pid {int(info['pid'])}), which holds {path}"
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return f"another process, which holds {path}"
-
-
-_RUN_LOCK: RunLock | None = None
-
-
-def acquire_run_lock(run_dir: Path) -> None:
-    """Lock run_dir for this process's run (released by run_main on every exit). One run per process: a lock
-    a previous run in this process left (a test calling main() directly) is released first."""
-    global _RUN_LOCK
-    release_run_lock()
-    _RUN_LOCK = RunLock(run_dir).acquire()
-
-
-def release_run_lock() -> None:
-    global _RUN_LOCK
-    if _RUN_LOCK is not None:
-        _RUN_LOCK.release()
-        _RUN_LOCK = None

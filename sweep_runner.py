@@ -349,7 +349,7 @@ def describe_holder(text: str) -> str:
 
 
 def refuse_links(out: Path) -> None:
-    """The sweep's folder, and everything in it, is never a symbolic link (as runtime.refuse_links for a run
+    """The sweep's folder, and everything in it, is never a symbolic link (as checkpoint.refuse_links for a run
     folder; repeated here because this module imports no torch before its options are good)."""
     if out.is_symlink():
         raise UsageError(

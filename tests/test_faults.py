@@ -78,9 +78,9 @@ def test_the_lock_never_opens_through_a_link(tmp_path, monkeypatch):
     outside = _outside(tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / ".lock").symlink_to(outside / "precious.txt")
-    monkeypatch.setattr(runtime, "refuse_links", lambda *a, **k: None, raising=False)  # as if planted after the check
+    monkeypatch.setattr(checkpoint, "refuse_links", lambda *a, **k: None, raising=False)  # planted after the check
     with pytest.raises(runtime.UserError, match="cannot write in the run folder"):
-        runtime.RunLock(tmp_path / "run").acquire()
+        checkpoint.RunLock(tmp_path / "run").acquire()
     assert (outside / "precious.txt").read_text() == "not the run's\n"
 
 

@@ -168,16 +168,16 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused_naming_the_holder(tmp_
         finally:
             proc.kill()
             proc.wait(timeout=60)
-    with runtime.RunLock(run_dir):  # released by the kernel: taken again at once
+    with checkpoint.RunLock(run_dir):  # released by the kernel: taken again at once
         pass
 
 
 def test_the_lock_is_released_when_the_run_ends(tmp_path):
-    lock = runtime.RunLock(tmp_path)
+    lock = checkpoint.RunLock(tmp_path)
     with lock:
         with pytest.raises(runtime.UserError, match=f"pid {os.getpid()}"):
-            runtime.RunLock(tmp_path).acquire()
-    with runtime.RunLock(tmp_path):
+            checkpoint.RunLock(tmp_path).acquire()
+    with checkpoint.RunLock(tmp_path):
         pass
 
 
