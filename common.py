@@ -914,7 +914,9 @@ def monte_carlo(
     each completion (PPO: its critic's V(s_t); GRPO: the group's mean at every t). Per completion the states of
     mc_state_positions (the prompt, and `states` positions inside); k rollouts from each (mc_values, stream 1 of
     the step's uniforms, indexed by the state's global place); everything gathered over ranks, then baseline_error
-    per baseline. Returns {"<name>/<key>": ...} plus states and tokens, and the MC tokens used on all ranks.
+    per baseline. Returns {"<name>/<key>": ...} plus states, informative_states (those whose K returns are not
+    all equal: where a baseline can matter; report.py warns when a run has few) and tokens, and the MC tokens
+    used on all ranks.
     k is at least 2 (check_measurement refuses less before anything loads).
     """
     picked = [
@@ -957,6 +959,7 @@ def monte_carlo(
         out.update({f"{name}/{key}": v for key, v in err.items()})
     tokens = runtime.all_reduce_sum(torch.tensor([float(used), float(generated)], dtype=torch.float64)).tolist()
     out["states"], out["tokens"], out["tokens_generated"] = float(total), tokens[0], tokens[1]
+    out["informative_states"] = float((cat["var"] > 0).sum())  # states whose K returns differ (0 < p_hat < 1)
     return out, int(tokens[0])
 
 

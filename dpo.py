@@ -60,8 +60,10 @@ class Args:
     """show tqdm progress bars"""
 
     # --- model and data ---
-    model: str = "smollm2"
-    """smollm2 (the packaged SmolLM2-135M-Instruct GGUF), tiny (random, for tests), a hub id, folder or .gguf"""
+    model: str = "qwen2.5-0.5b"
+    """qwen2.5-0.5b (the study's, from the hub), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (the packaged
+    SmolLM2-135M-Instruct GGUF: the CPU preset's, it shows the pipeline, not the answer), tiny or tiny-qwen2 (random,
+    for tests), a hub id, folder or .gguf"""
     prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"
@@ -154,6 +156,7 @@ def validate(args: Args) -> None:
 
 # The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
 CPU_SCALE = dict(
+    model="smollm2",  # the packaged model: no network
     batch_size=4, samples_per_prompt=4, max_new_tokens=96, total_steps=6, micro_batch_size=4, offline_prompts=16,
     lr=2e-6, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32, eval_max_new_tokens=192, save_every=6,
 )  # fmt: skip

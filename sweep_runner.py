@@ -36,7 +36,8 @@ Runs the plan in sweep.sh into OUT/<experiment>/<name>-s<seed>, then writes the 
 options:
   --experiments LIST  comma-separated, from {experiments} (default: {default})
   --seeds LIST        comma-separated seeds (default: 1,2,3)
-  --model NAME        the trainers' --model (default: smollm2)
+  --model NAME        the trainers' --model (default: their scale's: qwen2.5-0.5b at study, as on a GPU;
+                      smollm2, the packaged model, at cpu)
   --scale S           the trainers' --scale: auto, study or cpu (default: auto)
   --out DIR           runs and report (default: runs/sweep; runs/smoke with --smoke)
   --launcher L        seq: one run after another (the default)
@@ -50,10 +51,18 @@ options:
   --dry-run           print what would run, run nothing
   --smoke             every experiment with --model tiny, seed 1, 2 steps, tiny evaluations, on the CPU
   --report-only       write the report from the runs already in OUT
+  --preflight         only sample the reference GRPO line's settings and say whether the model has the signal
+                      the study needs: OUT/preflight.json and one line; exit 0 when it has, 3 when it has not
+  --preflight-prompts N  train prompts the preflight samples, group-size times each (default: 256 on a GPU,
+                      8 on the CPU)
+  --force             start the sweep without the preflight's check (an OUT/preflight.json already there still
+                      opens the report)
   -h, --help          this text
 
-The flags after -- come last in every command, so they win. A finished run (results.json) is skipped, an
-interrupted one resumes from its checkpoint, a damaged results.json is named, kept aside
+A sweep runs the preflight first (preflight.py; reused from OUT/preflight.json when its command is the same) and
+stops with exit status 3, before any run folder exists, when the share of prompts with 0 < p < 1 is below its
+threshold (0.2), unless --force. The flags after -- come last in every command, so they win. A finished run
+(results.json) is skipped, an interrupted one resumes from its checkpoint, a damaged results.json is named, kept aside
 (results.json.damaged-TIME) and the run redone from its checkpoint. A failed run is recorded
 (OUT/logs/<experiment>/<run>.log and .status), the others go on, and the summary names it (exit status 1).
 A lock (OUT/.lock, held for the sweep's life) keeps a second sweep, or a trainer, off the same folder."""
@@ -72,7 +81,7 @@ class UsageError(Exception):
 class Options:
     experiments: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
-    model: str = "smollm2"
+    model: str = ""  # "": the trainers' scale picks it (study: qwen2.5-0.5b; cpu: smollm2)
     scale: str = "auto"
     out: Path = Path("runs/sweep")
     launcher: str = "seq"
@@ -82,6 +91,9 @@ class Options:
     dry_run: bool = False
     smoke: bool = False
     report_only: bool = False
+    preflight: bool = False  # only the preflight
+    preflight_prompts: int = 0  # 0: preflight.py's default (256 on a GPU, 8 on the CPU)
+    force: bool = False  # start the sweep without the preflight
     slurm_task: int | None = None
     budget_from: str = ""  # experiment/name of the run whose tokens and steps fill {tokens} and {steps}
     extra: list[str] = field(default_factory=list)
@@ -106,7 +118,8 @@ class Run:
 
 
 PLACEHOLDER = re.compile(r"\{(?:(\d+)\*)?(tokens|steps)\}")
-VALUED = ("--experiments", "--seeds", "--model", "--scale", "--out", "--launcher", "--gpus", "--jobs", "--sbatch")
+VALUED = ("--experiments", "--seeds", "--model", "--scale", "--out", "--launcher", "--gpus", "--jobs", "--sbatch",
+          "--preflight-prompts")  # fmt: skip
 INTERNAL = ("--slurm-task", "--budget-from", "--default-experiments")
 
 
@@ -154,6 +167,10 @@ def parse_args(argv: list[str], experiments: list[str]) -> Options:
             o.smoke = True
         elif a == "--report-only":
             o.report_only = True
+        elif a == "--preflight":
+            o.preflight = True
+        elif a == "--force":
+            o.force = True
         elif a in VALUED or a in INTERNAL:
             if not args:
                 raise UsageError(f"{a} needs a value (./sweep.sh --help)")
@@ -197,6 +214,8 @@ def parse_args(argv: list[str], experiments: list[str]) -> Options:
     if o.launcher != "seq" and "--jobs" in v:
         raise UsageError("--jobs runs several runs at once on the CPU: it goes with --launcher seq")
     o.sbatch = v.get("--sbatch", "")
+    if "--preflight-prompts" in v:
+        o.preflight_prompts = positive("--preflight-prompts", v["--preflight-prompts"])
     o.budget_from = v.get("--budget-from", "")
     if "--slurm-task" in v:
         if not re.fullmatch(r"[0-9]+", v["--slurm-task"]):
@@ -306,7 +325,7 @@ def command(o: Options, run: Run, smoke: dict[str, list[str]], budget: tuple[int
     else:
         prefix = [PYTHON]
     cmd = [*prefix, run.script, "--run-dir", str(run.dir), "--seed", str(run.seed)]
-    cmd += ["--model", o.model, "--scale", o.scale, "--no-progress"]
+    cmd += [*(["--model", o.model] if o.model else []), "--scale", o.scale, "--no-progress"]
     if o.smoke:
         cmd += smoke.get("*", []) + smoke.get(run.script, [])
         if "--pairs gold" not in " ".join(run.flags):
@@ -316,6 +335,67 @@ def command(o: Options, run: Run, smoke: dict[str, list[str]], budget: tuple[int
 
 def reference(o: Options, run: Run) -> Path:
     return o.out / f"{o.budget_from}-s{run.seed}"
+
+
+# ======================================================================================================
+# The preflight: the reference GRPO line's command, sampled by preflight.py before any run starts
+# ======================================================================================================
+
+EXIT_NO_SIGNAL = 3  # preflight.py's: the model lacks the signal the study needs
+
+
+def preflight_command(
+    o: Options, lines: list[tuple[str, str, str, list[str]]], smoke: dict[str, list[str]]
+) -> list[str]:
+    """preflight.py with the reference GRPO line's command (--budget-from's line, else the plan's first grpo.py
+    line), built by command() as the sweep would run it for the first seed: --smoke's sizes and the extra flags in."""
+    want = o.budget_from.split("/", 1)
+    found = [ln for ln in lines if ln[2] == "grpo.py" and [ln[0], ln[1]] == want]
+    found = found or [ln for ln in lines if ln[2] == "grpo.py"]
+    if not found:
+        raise UsageError("the plan has no grpo.py line for the preflight to sample")
+    e, name, script, flags = found[0]
+    run = Run(e, name, o.seeds[0], script, flags, o.out / e / f"{name}-s{o.seeds[0]}")
+    trainer = command(o, run, smoke, None)
+    cmd = [PYTHON, str(REPO / "preflight.py"), "--out", str(o.out)]
+    cmd += ["--prompts", str(o.preflight_prompts)] if o.preflight_prompts else []
+    return cmd + ["--", *trainer[trainer.index(script) :]]
+
+
+def run_preflight(o: Options, cmd: list[str], reuse: bool) -> int:
+    """Run the preflight (or reuse OUT/preflight.json of the same command); its exit status. A refusal that stops
+    the sweep is one line naming its numbers."""
+    path = o.out / "preflight.json"
+    old = None
+    if reuse and path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = None
+    if isinstance(old, dict) and old.get("command") == cmd[cmd.index("--") + 1 :] and "passed" in old:
+        print(f"{old.get('verdict', 'preflight')} (reused from {path})", flush=True)
+        rc = 0 if old["passed"] else EXIT_NO_SIGNAL
+    else:
+        env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if o.smoke else {})}
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL).returncode
+    return rc
+
+
+def refusal(o: Options) -> str:
+    """The line that stops a sweep the preflight refused: its numbers, the threshold, the ways on."""
+    try:
+        p = json.loads((o.out / "preflight.json").read_text())
+        numbers = (
+            f"informative {p['informative']:.2f} < {p['threshold']['informative']:g} "
+            f"({p['informative_prompts']} of {p['prompts']} prompts x {p['samples_per_prompt']} with 0 < p < 1; "
+            f"pass rate {p['pass_rate']:.3f}, signal {p['signal']:.4f})"
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        numbers = "too little signal"
+    return (
+        f"sweep: not started: the preflight ({o.out / 'preflight.json'}) found {numbers}: too few prompts where a "
+        "baseline can matter to tell the baselines apart; choose a model that solves part of the task, or --force"
+    )
 
 
 # ======================================================================================================
@@ -531,7 +611,8 @@ def submit_slurm(s: Sweep) -> None:
     if not o.dry_run and subprocess.run(["sh", "-c", "command -v sbatch"], capture_output=True).returncode != 0:
         raise UsageError("--launcher slurm needs sbatch, which is not on PATH")
     task = o.out / "slurm" / "task.sh"
-    again = ["--experiments", ",".join(o.experiments), "--seeds", ",".join(map(str, o.seeds)), "--model", o.model]
+    again = ["--experiments", ",".join(o.experiments), "--seeds", ",".join(map(str, o.seeds))]
+    again += ["--model", o.model] if o.model else []
     again += ["--scale", o.scale, "--out", str(o.out), "--launcher", "slurm"]
     again += [*(["--gpus", str(o.gpus)] if o.gpus else []), *(["--smoke"] if o.smoke else [])]
     line = f'exec ./sweep.sh {shlex.join(again)} --slurm-task "$SLURM_ARRAY_TASK_ID"'
@@ -612,6 +693,14 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, s.on_signal)
     if o.slurm_task is not None:
         return slurm_task(s, o.slurm_task)
+    pre = preflight_command(o, lines, smoke)
+    if o.preflight:  # the preflight alone: on this machine, whatever the launcher
+        if o.dry_run:
+            print(" ".join(pre))
+            return 0
+        o.out.mkdir(parents=True, exist_ok=True)
+        take_lock(o.out / ".lock")
+        return run_preflight(o, pre, reuse=False)
     if o.launcher == "torchrun":
         if not o.dry_run and subprocess.run(["sh", "-c", "command -v torchrun"], capture_output=True).returncode:
             raise UsageError("--launcher torchrun needs torchrun on PATH")
@@ -625,14 +714,29 @@ def main(argv: list[str]) -> int:
     if not o.dry_run:
         o.out.mkdir(parents=True, exist_ok=True)
         take_lock(o.out / ".lock")  # held until this process exits: two sweeps on one folder would run runs twice
+        if o.force:
+            print("preflight: not run (--force)", flush=True)
+        elif o.launcher == "slurm":
+            print("preflight: not run under --launcher slurm (this machine may have no GPU): run "
+                  "./sweep.sh --preflight with the same options on a GPU node first", flush=True)  # fmt: skip
+        else:
+            rc = run_preflight(o, pre, reuse=True)
+            if rc == EXIT_NO_SIGNAL:
+                print(refusal(o), file=sys.stderr, flush=True)
+                return EXIT_NO_SIGNAL
+            if rc != 0:
+                return rc  # the preflight printed its error line
     s.state = states(runs, o.dry_run)
     jobs = f" ({o.jobs} at once)" if len(slots) > 1 and o.launcher == "seq" else ""
     print(
         f"sweep: {len(o.experiments)} experiment(s) ({' '.join(o.experiments)}), seeds {' '.join(map(str, o.seeds))},"
-        f" model {o.model}, scale {o.scale}, launcher {o.launcher}{jobs}: {len(runs)} runs into {o.out}",
+        f" model {o.model or 'of the scale'}, scale {o.scale}, launcher {o.launcher}{jobs}: {len(runs)} runs into {o.out}",
         flush=True,
     )
     if o.dry_run:
+        if o.launcher != "slurm" and not o.force:
+            print(f"# preflight first: {o.budget_from or 'the first grpo.py line'} for seed {o.seeds[0]} (exit 3 stops"
+                  " the sweep unless --force; the same options with --preflight --dry-run show its command)")  # fmt: skip
         for i, run in enumerate(runs):
             if s.state[i] == "finished":
                 print(f"# {run.label}: finished")

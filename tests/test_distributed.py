@@ -176,7 +176,7 @@ def weights(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def assert_same_weights(one: Path, two: Path, seed: int = 1) -> None:
+def assert_same_weights(one: Path, two: Path, seed: int = 1, model: str = "tiny") -> None:
     """Every tensor of policy (and critic) within REL_TOL, and the runs far from trivial: the policy moved
     from its init by much more than the two runs differ."""
     a, b = weights(one), weights(two)
@@ -187,7 +187,7 @@ def assert_same_weights(one: Path, two: Path, seed: int = 1) -> None:
             diff = (a[part][k] - b[part][k]).abs().max().item()
             scale = a[part][k].abs().max().clamp(min=1e-12).item()
             assert diff <= REL_TOL * scale, f"{part} {k}: max |one - two| = {diff:.3g}, max |one| = {scale:.3g}"
-    init = runtime.load_model("tiny", runtime.load_tokenizer("tiny"), seed=seed).state_dict()
+    init = runtime.load_model(model, runtime.load_tokenizer(model), seed=seed).state_dict()
     moved = torch.cat([(a["policy"][k] - init[k]).abs().flatten() for k in a["policy"]])  # [n parameters]
     differ = torch.cat([(a["policy"][k] - b["policy"][k]).abs().flatten() for k in a["policy"]])
     # Means, not maxima: Adam scales each element's step to about lr whatever its gradient's size, so an element
@@ -369,6 +369,20 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
                              torchrun_cmd("ppo.py", flags(two, data_dir, **more, fsdp=True, resume=True), 1)):  # fmt: skip
         check_ok(proc)
     assert_same_weights(one, two)
+    assert_same_curve(one, two)
+
+
+@pytest.mark.skipif(fsdp_missing() is not None, reason=str(fsdp_missing()))
+def test_fsdp_shards_qwen2_and_two_ranks_equal_one_process(tmp_path, data_dir):
+    """The study's family under FSDP2: tiny-qwen2 (q/k/v biases, tied embeddings), its decoder layers sharded
+    (Qwen2DecoderLayer, from transformers' _no_split_modules) with the full critic's; one step."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run = dict(FSDP_RUN, model=runtime.TINY_QWEN2, total_steps=1)
+    for proc in side_by_side(command("ppo.py", flags(one, data_dir, **run)),
+                             torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True))):  # fmt: skip
+        check_ok(proc)
+    assert {p.name for p in (two / checkpoint.CHECKPOINT / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
+    assert_same_weights(one, two, model=runtime.TINY_QWEN2)
     assert_same_curve(one, two)
 
 

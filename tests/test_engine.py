@@ -140,24 +140,30 @@ def test_second_call_sees_new_weights(lm, tok):
 
 
 def test_other_architectures_fall_back_to_transformers(tok, capsys):
+    """A model the engine does not run (here a Qwen2 whose layers slide: Qwen2 itself runs, tests/test_qwen2.py)
+    falls back to transformers' generation with its reason in one notice."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     cfg = Qwen2Config(
         vocab_size=len(tok),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
         pad_token_id=tok.pad_token_id,
     )
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    assert engine.static_engine_unsupported(model) is not None
+    reason = engine.static_engine_unsupported(model)
+    assert reason is not None and "sliding-window" in reason
     kw = dict(max_new_tokens=6, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     ours = engine.generate(model, make_prompts((4, 9)), backend="static", **kw)
     plain = engine.generate(model, make_prompts((4, 9)), backend="hf", **kw)
     assert torch.equal(ours.response_ids, plain.response_ids)
-    assert "Llama models only" in capsys.readouterr().err
+    assert "Llama and Qwen2 models only" in capsys.readouterr().err
 
 
 def test_trim_padding_and_length_sorted_micro_batches(lm, tok):

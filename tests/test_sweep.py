@@ -87,6 +87,11 @@ def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
                 assert res["args"]["scale_rewards"] == ("none" if name == "grpo-group-unscaled" else "group")
             assert res["args"]["model"] == "tiny" and res["scaled_down"] == []
     check_report(out / "report", N_RUNS)
+    # the preflight ran first (the toy task passes it) and opens the report; every measurement counts its signal
+    assert proc.stdout.splitlines()[0].startswith("preflight: tiny on toy") and "enough signal" in proc.stdout
+    assert (out / "report" / "report.md").read_text().splitlines()[2].startswith("**Preflight** (preflight.json")
+    rows = [json.loads(x) for x in (out / "h2h" / "grpo-group-s1" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["mc/informative_states"] <= r["mc/states"] for r in rows if "mc/states" in r)
 
 
 def test_the_head_to_head_is_matched_in_generated_tokens(smoke):
@@ -339,6 +344,7 @@ def test_the_sweep_holds_its_lock_for_its_life_and_skips_a_run_a_trainer_holds(t
     (bin_dir / "torchrun").chmod(0o755)
     env = {**trainer_env(), "PYTHON": sys.executable, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     args = ["--launcher", "torchrun", "--gpus", "1", "--out", str(out), "--experiments", "labels", "--seeds", "1"]
+    args.append("--force")  # no preflight: its sampling of the default model would only cost time here
     with held_lock(out / "labels" / "dpo-self-offline-s1" / ".lock", "dpo.py") as trainer:
         first = subprocess.Popen(
             ["bash", str(REPO / "sweep.sh"), *args], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
