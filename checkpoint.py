@@ -17,18 +17,23 @@ What a checkpoint promises:
 What it does not hold: metrics.jsonl, results.json and DPO's pairs.jsonl (beside it in the run folder); the
 data (only the position in it); the reference model (rebuilt from --model); the code's version. The manifest
 checks integrity, not origin: it is not signed.
-Also here: the run folder's checks before a run starts (prepare_run_dir). The lock, the errors and the
-collectives are runtime.py's; this module imports runtime and nothing above it.
+Also here: the run folder: its checks before a run starts (prepare_run_dir: no symbolic links, no run
+overwritten), its lock (RunLock), and what a stopped run says next. The errors and the collectives are
+runtime.py's; this module imports runtime and nothing above it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +41,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import runtime
 from runtime import (
     NonFiniteError,
     RunFinished,
     UserError,
+    WriteFailed,
     _reshard,
-    acquire_run_lock,
     all_finite,
     all_ok,
     all_reduce_sum,
@@ -144,22 +150,39 @@ def save_checkpoint(
     if not all_ok(error is None):
         if main:
             shutil.rmtree(tmp, ignore_errors=True)  # the last good checkpoint stays as it was
-        if error is not None:
+        if isinstance(error, (UserError, NonFiniteError)):
             raise error
-        raise RuntimeError("saving the checkpoint failed on another rank; the last good checkpoint was kept")
+        raise WriteFailed(_save_failed(run_dir, tmp, error)) from None
     if main:
         # the previous checkpoint is kept under .checkpoint.old-PID until the new one is in place: a crash
         # between the two renames leaves it there, and find_checkpoint() falls back on it
         old = run_dir / f".{CHECKPOINT}.old-{os.getpid()}"
-        if final.exists():
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(run_dir)  # the renames themselves reach the disk
+        try:
+            if final.exists():
+                os.rename(final, old)
+            os.rename(tmp, final)
+            fsync_dir(run_dir)  # the renames themselves reach the disk
+        except OSError as e:
+            raise WriteFailed(_save_failed(run_dir, tmp, e)) from None
         for aside in run_dir.glob(f".{CHECKPOINT}.old-*"):  # this one, and one a --resume-from-backup came from
             shutil.rmtree(aside, ignore_errors=True)
     if world_size() > 1:
         dist.barrier()  # no rank goes on (or saves again) before the new checkpoint is in place
     return final
+
+
+def _save_failed(run_dir: Path, tmp: Path, error: Exception | None) -> str:
+    """One line for a save that failed, whatever raised it (OSError, torch's RuntimeError, SafetensorError)."""
+    why = "it failed on another rank" if error is None else f"{type(error).__name__}: {' '.join(str(error).split())}"
+    where = getattr(error, "filename", None) or tmp
+    last = find_checkpoint(run_dir)
+    kept, then = f"the last good checkpoint ({last}) was left as it was", "continue with --resume"
+    if last is None:
+        kept, then = "no earlier checkpoint exists", "start the run again"
+    return (
+        f"could not save the checkpoint in {where} ({why[:300]}); {kept}; free space on that disk (or make "
+        f"{run_dir} writable) and {then}"
+    )
 
 
 def _check_finite_before_saving(policy: nn.Module, critic: nn.Module | None, optimizer: Any, state: dict) -> None:
@@ -435,6 +458,41 @@ RESUMABLE_ARGS = {
 }
 
 
+def _check_state(state: dict[str, Any], path: Path, saved: dict[str, Any]) -> None:
+    """Every field a resume reads from state.json, checked: a consistent but wrong state is one line, not a
+    traceback (or a run that goes on from a step that never was). The sampler's position against its data is
+    checked by common.PromptSampler.load_state_dict, which knows the data's size."""
+
+    def bad(why: str) -> UserError:
+        return UserError(f"checkpoint {path} is damaged (state.json: {why}); it was left in place")
+
+    def count(v: Any) -> bool:  # a non-negative int, never a bool
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    counters = state.get("counters")
+    if not isinstance(counters, dict):
+        raise bad("no counters object")
+    for key in ("step", "generated_tokens", "mc_tokens", "eval_tokens", "wall_time"):
+        if key not in counters:
+            raise bad(f"counters lack {key!r}")
+    for key, v in counters.items():
+        ok = (
+            (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)
+            if key == "wall_time"
+            else count(v)
+        )
+        if not ok:
+            raise bad(f"counters.{key} is {v!r}, not a {'time' if key == 'wall_time' else 'count'}")
+    total = saved.get("total_steps")
+    if count(total) and counters["step"] > total:
+        raise bad(f"counters.step is {counters['step']}, beyond --total-steps {total}")
+    sampler = state.get("sampler")
+    if not (isinstance(sampler, dict) and count(sampler.get("epoch")) and count(sampler.get("pos"))):
+        raise bad(f"sampler is {sampler!r}, not an epoch and a position")
+    if "world" in state and not (count(state["world"]) and state["world"] >= 1):
+        raise bad(f"world is {state['world']!r}, not a number of ranks")
+
+
 def load_checkpoint(
     run_dir: Path,
     *,
@@ -466,6 +524,7 @@ def load_checkpoint(
             f"cannot resume {run_dir}: essential arguments differ ({shown}); the checkpoint was left in place"
         )
     state = _read_json_object(path / "state.json", path)
+    _check_state(state, path, saved)
     if (path / "dcp").exists() != (saved.get("fsdp") is True):  # the sharded branch only for an --fsdp save
         raise UserError(
             f"checkpoint {path} is damaged (its args.json says fsdp={saved.get('fsdp')!r} but it "
@@ -494,13 +553,14 @@ def load_checkpoint(
 def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: bool = False) -> None:
     """A new run needs a folder without a checkpoint; --resume needs one. Nothing is ever overwritten.
 
-    In order: a run folder that is a file is refused; --resume of a finished run (results.json) says so and
-    ends (RunFinished, exit 0) before touching anything; the folder is locked for the life of the run (rank 0;
+    In order: a run folder that is a file is refused, and one that is (or holds) a symbolic link; --resume of a
+    finished run (results.json) says so and ends (RunFinished, exit 0) before touching anything; the folder is locked for the life of the run (rank 0;
     a folder in use is refused naming its holder); the leftovers of a killed save (.checkpoint.tmp-*, and
     .checkpoint.old-* beside a checkpoint) are removed; a resume that finds only a set-aside .checkpoint.old-*
     is refused unless --resume-from-backup."""
-    if run_dir.exists() and not run_dir.is_dir():
+    if run_dir.exists() and not run_dir.is_symlink() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is not a folder (a file of that name exists)")
+    refuse_links(run_dir)  # before anything is read or written through one
     if resume and (run_dir / "results.json").exists():
         raise RunFinished(
             f"{run_dir} is finished ({run_dir / 'results.json'} exists): nothing to resume, nothing touched"
@@ -530,3 +590,139 @@ def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: boo
         raise UserError(
             f"{run_dir} holds metrics.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
         )
+
+
+# ------------------------------------------------------------------------------------------------------
+# The run folder's lock: <run_dir>/.lock, one JSON line {"pid": N, "holder": "ppo.py"}, flock'ed
+# ------------------------------------------------------------------------------------------------------
+
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """An OS-level lock on a run folder (fcntl.flock on run_dir/.lock), held for the life of the run.
+
+    The file holds one JSON line, {"pid": N, "holder": "ppo.py"}, for the refusal message of whoever comes
+    second (sweep.sh writes the same line for its own lock). The kernel drops the lock when the process ends,
+    however it ends; release() also removes the file, and the folder when the run created it and left nothing
+    else in it. Acquiring checks that the file locked is still the one at the path (a releasing run may have
+    just removed it), so that two runs never hold locks on two different files."""
+
+    def __init__(self, run_dir: Path, holder: str | None = None) -> None:
+        self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK_FILE
+        self.holder = holder or Path(sys.argv[0]).name or "python"
+        self.fd: int | None = None
+        self.created = False
+
+    def acquire(self) -> RunLock:
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UserError(f"--run-dir {self.run_dir} is not a folder (a file of that name exists)")
+        refuse_links(self.run_dir)
+        self.created = not self.run_dir.exists()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a link: ELOOP
+            except OSError as e:
+                raise UserError(f"cannot write in the run folder {self.run_dir}: {e.strerror or e}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise UserError(f"{self.run_dir} is in use by {describe_lock_holder(self.path)}") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # locked a file its holder removed on release: take the new one
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps({"pid": os.getpid(), "holder": self.holder}) + "\n").encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # while still held: whoever opened it before checks the inode
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.run_dir.rmdir()  # only when empty: a run that wrote nothing leaves no folder
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def describe_lock_holder(path: Path) -> str:
+    """'ppo.py (pid 1234)', from the JSON line a lock file holds; 'another process' when unreadable."""
+    try:
+        info = json.loads(Path(path).read_text().splitlines()[0])
+        return f"{info['holder']} (pid {int(info['pid'])}), which holds {path}"
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return f"another process, which holds {path}"
+
+
+_RUN_LOCK: RunLock | None = None
+
+
+def acquire_run_lock(run_dir: Path) -> None:
+    """Lock run_dir for this process's run (released by run_main on every exit). One run per process: a lock
+    a previous run in this process left (a test calling main() directly) is released first."""
+    global _RUN_LOCK
+    release_run_lock()
+    _RUN_LOCK = RunLock(run_dir).acquire()
+
+
+def release_run_lock() -> None:
+    global _RUN_LOCK
+    if _RUN_LOCK is not None:
+        _RUN_LOCK.release()
+        _RUN_LOCK = None
+
+
+def refuse_links(folder: Path, what: str = "--run-dir") -> None:
+    """A run's folder, and everything in it, is never a symbolic link: a run folder received from someone else
+    must not make a run write (or read) a file elsewhere by following one. Refused in one line, before anything
+    is written. The folders above it may be links (runs/ on a scratch disk)."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        raise UserError(
+            f"{what} {folder} is a symbolic link (to {os.readlink(folder)}); a run never follows one: "
+            "pass the folder it points to, or another; nothing was written"
+        )
+    if not folder.is_dir():
+        return
+    for root, dirs, files in os.walk(folder):  # never follows a link: it lists one as a name
+        for name in dirs + files:
+            p = Path(root) / name
+            if p.is_symlink():
+                raise UserError(
+                    f"{folder} holds a symbolic link, {p.relative_to(folder)} -> {os.readlink(p)}; a run never "
+                    "follows one: remove it (or choose another folder); nothing was written"
+                )
+
+
+def _after_stop() -> str:
+    """What a stopped run's user does next: --resume from its checkpoint, or start again when it saved none."""
+    run_dir = _RUN_LOCK.run_dir if _RUN_LOCK is not None else None
+    if run_dir is None:
+        return "continue with --resume"
+    if (run_dir / CHECKPOINT).is_dir():
+        return f"nothing after the checkpoint in {run_dir / CHECKPOINT} was kept; continue with --resume"
+    left = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
+    if not left:
+        return "nothing was saved; run the same command again"
+    return f"no checkpoint was saved yet; remove {run_dir} and run the same command again"
+
+
+runtime._RUN_FOLDER.update(release=release_run_lock, after_stop=_after_stop)  # run_main's part of the run folder

@@ -45,6 +45,12 @@ class Problem:
     question: str
     solution: str  # the reference solution, ending in "#### N"
     gold: str  # its final answer, normalised by normalize_number
+    source: str = ""  # where it was read: "path:line" (or "openai/gsm8k test row N"), for the refusals
+
+
+# The longest question a data file may hold, in characters: GSM8K's longest is 985 (train) and 848 (test). A
+# longer one (a 200 KB question) is refused when the data loads, naming its file and line, before any work.
+MAX_QUESTION_CHARS = 4000
 
 
 def _read_jsonl(path: Path) -> list[Problem]:
@@ -72,8 +78,43 @@ def _parse_jsonl(path: Path, f: Any) -> list[Problem]:
         gold = extract_final_answer(solution)
         if gold is None:
             raise runtime.UserError(f"{path}:{lineno}: the answer has no final '#### N' number")
-        problems.append(Problem(question, solution, gold))
+        check_question_length(question, f"{path}:{lineno}")
+        problems.append(Problem(question, solution, gold, f"{path}:{lineno}"))
     return problems
+
+
+def check_question_length(question: str, where: str) -> None:
+    if len(question) > MAX_QUESTION_CHARS:
+        raise runtime.UserError(
+            f"{where}: a question of {len(question):,} characters, over the limit of {MAX_QUESTION_CHARS:,} "
+            "(common.MAX_QUESTION_CHARS; GSM8K's longest is 985): remove or shorten that line"
+        )
+
+
+def check_prompt_lengths(
+    splits: dict[str, list[Problem]], tokenizer: Any, prompt_format: str, model: str, max_new_tokens: int
+) -> int:
+    """The longest prompt of every split, in tokens (the few longest questions by UTF-8 bytes tokenised: a byte
+    -level tokenizer never gives more tokens than bytes). A prompt that with max_new_tokens exceeds the model's
+    context is refused naming its file and line; the memory estimate made before loading is made again with
+    the longest prompt in place of runtime.PROMPT_TOKENS. Returns the longest prompt's length."""
+    try:
+        context = runtime._model_config(model).max_position_embeddings
+    except Exception:  # an unknown model or config: loading the model reports it
+        context = None
+    longest, where = 0, ""
+    for problems in splits.values():
+        for p in sorted(problems, key=lambda p: len(p.question.encode()), reverse=True)[:8]:
+            n = len(encode_prompt(tokenizer, p.question, prompt_format))
+            if n > longest:
+                longest, where = n, p.source
+    if context and longest + max_new_tokens > context:
+        raise runtime.UserError(
+            f"{where}: a prompt of {longest:,} tokens, which with {max_new_tokens} new tokens exceeds the model's "
+            f"context of {context:,}: remove or shorten that line"
+        )
+    runtime.recheck_generation_memory(longest)
+    return longest
 
 
 def resolve_data_dir(data_dir: str | None) -> str | None:
@@ -125,7 +166,8 @@ def _load_gsm8k_hub() -> dict[str, list[Problem]]:
             gold = extract_final_answer(row["answer"])
             if gold is None:
                 raise runtime.UserError(f"openai/gsm8k {split} row {i}: the answer has no final '#### N' number")
-            rows.append(Problem(row["question"], row["answer"], gold))
+            check_question_length(row["question"], f"openai/gsm8k {split} row {i}")
+            rows.append(Problem(row["question"], row["answer"], gold, f"openai/gsm8k {split} row {i}"))
         out[split] = rows
     return out
 
@@ -160,6 +202,11 @@ class PromptSampler:
         return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
+        if not 0 <= int(state["pos"]) <= self.n:  # a checkpoint of other data, or a crafted one
+            raise runtime.UserError(
+                f"the checkpoint's data position {state['pos']} is beyond the {self.n} items this run samples from; "
+                "it was saved on other data"
+            )
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
         self._perm = self._permutation()
 
@@ -886,6 +933,7 @@ def check_measurement(args: Any, world: int) -> None:
 
 
 @torch.no_grad()
+@runtime.stoppable("the Monte Carlo measurement")  # a stop signal ends the run within a decode step
 def monte_carlo(
     model: nn.Module,
     tokenizer: Any,
@@ -979,6 +1027,11 @@ def explained_variance_masked(values: torch.Tensor, returns: torch.Tensor, mask:
 # ======================================================================================================
 # Evaluation: greedy, on the validation split during training and the test split at the end
 # ======================================================================================================
+
+
+def ratio(total: float, n: float) -> float | None:
+    """total / n, or None over zero items: a statistic of nothing is absent (null in JSON), never 0.0."""
+    return total / n if n else None
 
 
 def wilson_interval(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -1090,6 +1143,7 @@ def ratio_interval(nums: Sequence[float], dens: Sequence[float]) -> tuple[float,
 
 
 @torch.no_grad()
+@runtime.stoppable("an evaluation")  # a stop signal ends the run within a decode step
 def evaluate(
     model: nn.Module,
     tokenizer: Any,
@@ -1147,11 +1201,11 @@ def evaluate(
     n = int(n)
     lo, hi = wilson_interval(correct, n)
     return {
-        "accuracy": correct / max(n, 1),
-        "ci95": [lo, hi],
+        "accuracy": ratio(correct, n),  # None over zero problems: absent, never 0.0
+        "ci95": [lo, hi] if n else [None, None],
         "n": n,
-        "format_rate": formatted / max(n, 1),
-        "mean_tokens": tokens / max(n, 1),
+        "format_rate": ratio(formatted, n),
+        "mean_tokens": ratio(tokens, n),
         "generated_tokens": int(tokens),
         "seconds": time.time() - t0,
         "samples": samples,
@@ -1160,11 +1214,13 @@ def evaluate(
 
 
 def eval_metrics(split: str, res: dict[str, Any]) -> dict[str, float]:
-    """The metrics.jsonl keys of one evaluation: accuracy with its 95% interval, format rate, seconds."""
-    return {
+    """The metrics.jsonl keys of one evaluation: accuracy with its 95% interval, format rate, seconds. Those of
+    an evaluation of zero problems are absent (None), never 0.0."""
+    row = {
         f"{split}/accuracy": res["accuracy"],
         f"{split}/ci_low": res["ci95"][0],
         f"{split}/ci_high": res["ci95"][1],
         f"{split}/format_rate": res["format_rate"],
         f"{split}/seconds": res["seconds"],
     }
+    return {k: v for k, v in row.items() if v is not None}

@@ -201,6 +201,8 @@ def main() -> None:
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     tokenizer = runtime.load_tokenizer(args.model)
+    new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
+    common.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
     prompt_cache: dict[int, list[int]] = {}
 
     def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
@@ -257,9 +259,9 @@ def main() -> None:
     stopper = runtime.StopSignal()
     engine.reset_rollout_record()  # this run's rollouts only (tests run several trainers in one process)
     logger = runtime.MetricsLogger(
-        run_dir, dist_.main, resume_step=counters["step"] if args.resume else None, first_row=engine.rollout_record,
-        track=args,
-    )  # the first line says what the rollouts ran on
+        run_dir, dist_.main, resume_step=counters["step"] if args.resume else None,
+        resume_rows=counters.get("metrics_rows"), first_row=engine.rollout_record, track=args,
+    )  # the first line says what the rollouts ran on  # fmt: skip
     ctx = runtime.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
@@ -274,7 +276,7 @@ def main() -> None:
         return res
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
-        counters["wall_time"] = time.time() - t_start
+        counters["wall_time"], counters["metrics_rows"] = time.time() - t_start, logger.rows
         state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
         checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
@@ -356,21 +358,22 @@ def main() -> None:
             ref_gen = runtime.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
             pair_stats = {"reward": 0.0, "completions": 0.0, "no_pair": 0.0, "response_len": 0.0}  # named sums
             bar = tqdm(total=len(offline), desc="offline pairs", disable=not (dist_.main and args.progress))
-            for start in range(0, len(offline), chunk):
-                part = offline[start : start + chunk]
-                per = -(-len(part) // world)  # the last chunk may leave a rank fewer prompts, or none
-                mine = part[dist_.rank * per : (dist_.rank + 1) * per]
-                # uniforms indexed by the prompt's place in the whole offline list: the same samples on 1 rank or N
-                pairs, stats = sample_pairs(mine, start + dist_.rank * per, len(offline), 0, 10, ref_gen)
-                _, pairs = spread(pairs)  # the same number of reference forwards on every rank
-                reference_logps(pairs)
-                for gathered in runtime.all_gather_objects(pairs):
-                    pair_set += [p for p in gathered if p.get("weight", 1.0) > 0]
-                for key, v in runtime.all_reduce_sums(stats).items():
-                    pair_stats[key] += v
-                bar.update(len(part))
-                if args.token_budget and pair_stats["response_len"] >= args.token_budget:
-                    break
+            with runtime.stoppable("the offline pair sampling"):  # a stop signal: at once, nothing saved
+                for start in range(0, len(offline), chunk):
+                    part = offline[start : start + chunk]
+                    per = -(-len(part) // world)  # the last chunk may leave a rank fewer prompts, or none
+                    mine = part[dist_.rank * per : (dist_.rank + 1) * per]
+                    # uniforms indexed by the prompt's place in the whole offline list: the same samples on 1 rank or N
+                    pairs, stats = sample_pairs(mine, start + dist_.rank * per, len(offline), 0, 10, ref_gen)
+                    _, pairs = spread(pairs)  # the same number of reference forwards on every rank
+                    reference_logps(pairs)
+                    for gathered in runtime.all_gather_objects(pairs):
+                        pair_set += [p for p in gathered if p.get("weight", 1.0) > 0]
+                    for key, v in runtime.all_reduce_sums(stats).items():
+                        pair_stats[key] += v
+                    bar.update(len(part))
+                    if args.token_budget and pair_stats["response_len"] >= args.token_budget:
+                        break
             bar.close()
             del ref_gen
             counters["generated_tokens"] = int(pair_stats["response_len"])
@@ -380,8 +383,8 @@ def main() -> None:
                 tmp.replace(pairs_path)
                 offline_metrics = {
                     "pairs/count": len(pair_set),
-                    "pairs/no_pair_share": pair_stats["no_pair"] / max(1, len(offline)),
-                    "pairs/sampled_reward": pair_stats["reward"] / max(1, pair_stats["completions"]),
+                    "pairs/no_pair_share": common.ratio(pair_stats["no_pair"], len(offline)),
+                    "pairs/sampled_reward": common.ratio(pair_stats["reward"], pair_stats["completions"]),
                     "generated_tokens": counters["generated_tokens"],
                 }
                 logger.log(0, offline_metrics)
@@ -492,7 +495,7 @@ def main() -> None:
             counters["generated_tokens"] += int(sampled["response_len"])
             metrics.update(
                 {
-                    "reward": sampled["reward"] / max(1, sampled["completions"]),
+                    "reward": common.ratio(sampled["reward"], sampled["completions"]),
                     "no_pair_share": sampled["no_pair"] / args.batch_size,
                     "tokens_per_s": sampled["response_len"] / max(t_rollout, 1e-9),
                 }
@@ -508,8 +511,12 @@ def main() -> None:
         bar.update(1)
 
         # --- 6. checkpoint: every save_every steps, and now on a stop signal to any rank ----------------------
-        if stopper.should_stop():
+        saved = args.save_every and counters["step"] % args.save_every == 0
+        if saved:
             save()
+        if stopper.should_stop():  # a signal during the step or its save: the run stops now
+            if not saved:
+                save()
             if dist_.main:
                 print(
                     f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
@@ -517,8 +524,6 @@ def main() -> None:
                     flush=True,
                 )
             return
-        if args.save_every and counters["step"] % args.save_every == 0:
-            save()
     bar.close()
 
     # ==================================================================================================

@@ -263,6 +263,7 @@ def _generate_hf(
         h = out.last_hidden_state[:, -1]  # [B, H]: the state before the first response token
         t_used = 0
         for t in range(T):
+            runtime.check_stop()  # a stop signal during an evaluation or a measurement: at once
             if return_hidden:
                 hidden_steps.append(h.float())
             logits = lm.lm_head(h)  # [B, V]
@@ -1128,6 +1129,7 @@ class StaticEngine:
         t1 = self._clock()
         steps = 0
         for t in range(T):
+            runtime.check_stop()  # a stop signal during an evaluation or a measurement: at once
             step_fns[widths[t]]()
             steps += 1
             if (t + 1) % self.check_every == 0 and t + 1 < T and bool(self.finished[:n].all()):

@@ -225,6 +225,8 @@ def main() -> None:
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     tokenizer = runtime.load_tokenizer(args.model)
+    new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
+    common.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
     prompt_cache: dict[int, list[int]] = {}
 
     def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
@@ -281,9 +283,9 @@ def main() -> None:
     stopper = runtime.StopSignal()
     engine.reset_rollout_record()  # this run's rollouts only (tests run several trainers in one process)
     logger = runtime.MetricsLogger(
-        run_dir, dist_.main, resume_step=counters["step"] if args.resume else None, first_row=engine.rollout_record,
-        track=args,
-    )  # the first line says what the rollouts ran on
+        run_dir, dist_.main, resume_step=counters["step"] if args.resume else None,
+        resume_rows=counters.get("metrics_rows"), first_row=engine.rollout_record, track=args,
+    )  # the first line says what the rollouts ran on  # fmt: skip
     ctx = runtime.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
@@ -298,7 +300,7 @@ def main() -> None:
         return res
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
-        counters["wall_time"] = time.time() - t_start
+        counters["wall_time"], counters["metrics_rows"] = time.time() - t_start, logger.rows
         state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
         checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
@@ -459,8 +461,12 @@ def main() -> None:
         bar.update(1)
 
         # --- 8. checkpoint: every save_every steps, and now on a stop signal to any rank ----------------------
-        if stopper.should_stop():
+        saved = args.save_every and counters["step"] % args.save_every == 0
+        if saved:
             save()
+        if stopper.should_stop():  # a signal during the step or its save: the run stops now
+            if not saved:
+                save()
             if dist_.main:
                 print(
                     f"\nstopped by {stopper.name or 'a signal on another rank'} after step {counters['step']}; "
@@ -468,8 +474,6 @@ def main() -> None:
                     flush=True,
                 )
             return
-        if args.save_every and counters["step"] % args.save_every == 0:
-            save()
     bar.close()
 
     # ==================================================================================================

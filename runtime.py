@@ -2,9 +2,8 @@
 
 Holds: user errors, run_main and the command line (cli: tyro with a preset as its default), distributed setup
 and its collectives, seeding, the stop signal, DDP/FSDP and whole-weight copies, model and tokenizer loading
-(the packaged GGUF's cache, the tiny test model), the run banner, metrics logging and results, the run folder's
-lock.
-Does not hold: checkpoints and the run folder's checks (checkpoint.py), generation or the training forward
+(the packaged GGUF's cache, the tiny test model), the run banner, metrics logging and results.
+Does not hold: checkpoints, the run folder's checks and its lock (checkpoint.py), generation or the training forward
 (engine.py), data, reward, losses or measurement (common.py).
 Nothing here imports another module of this project.
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import fcntl
 import gc
 import hashlib
 import importlib.util
@@ -53,11 +51,24 @@ class NonFiniteError(Exception):
     """A NaN or inf that would be trained on or saved: one line naming the step and the quantity, exit code 3."""
 
 
+class WriteFailed(Exception):
+    """A write that failed (a full disk, whatever library raised it): one line naming the path, exit 1."""
+
+
+class Stopped(Exception):
+    """A stop signal honoured outside the training loop's step end (check_stop): the run ends at once, with
+    nothing after its last checkpoint kept; run_main says so in one line and exits 0, as a stop does."""
+
+
 class RunFinished(Exception):
     """--resume of a run whose results.json exists: one line, exit code 0, nothing touched."""
 
 
 EXIT_USAGE, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+
+# The run folder's part in run_main, set by checkpoint.py (which holds the run folder and its lock; this module
+# imports nothing of the project): the lock's release on every exit, and what a stopped run's user does next.
+_RUN_FOLDER: dict[str, Callable[[], Any]] = {"release": lambda: None, "after_stop": lambda: "continue with --resume"}
 
 
 def run_main(main: Callable[[], Any]) -> None:
@@ -81,6 +92,13 @@ def run_main(main: Callable[[], Any]) -> None:
         if main_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = EXIT_NONFINITE
+    except Stopped as e:
+        if main_rank:
+            print(f"\n{e}; {_RUN_FOLDER['after_stop']()}", flush=True)
+    except WriteFailed as e:
+        if main_rank:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 1
     except BrokenPipeError:  # stdout's reader went away (`--help | head`): nothing to say, and no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush goes nowhere
         code = 1
@@ -95,7 +113,7 @@ def run_main(main: Callable[[], Any]) -> None:
             print(f"error: {e.filename}: {e.strerror or e}", file=sys.stderr, flush=True)
         code = 1
     finally:
-        release_run_lock()
+        _RUN_FOLDER["release"]()
         # a process group left to the interpreter's teardown can abort in gloo's threads ("terminate called
         # without an active exception", exit -6 after a finished run): every rank that finished waits for the
         # others, the modules that hold the group (FSDP's mesh, DDP's reducer, in reference cycles) are freed,
@@ -362,11 +380,25 @@ def device_memory_bytes(device: torch.device) -> int:
 PROMPT_TOKENS = 256  # a generous GSM8K chat prompt, for the memory estimate only
 
 
-def check_generation_memory(model: str, device: torch.device, batches: dict[str, tuple[int, int]]) -> None:
+_MEMORY_CHECKED: tuple[str, torch.device, dict[str, tuple[int, int]]] | None = None  # for the recheck
+
+
+def recheck_generation_memory(prompt_tokens: int) -> None:
+    """check_generation_memory again, as last called, with the data's longest prompt (common.check_prompt_lengths)."""
+    if _MEMORY_CHECKED is not None:
+        check_generation_memory(*_MEMORY_CHECKED, prompt_tokens=max(prompt_tokens, PROMPT_TOKENS))
+
+
+def check_generation_memory(
+    model: str, device: torch.device, batches: dict[str, tuple[int, int]], prompt_tokens: int = PROMPT_TOKENS
+) -> None:
     """A rough check before the model loads: each generation batch, {flags: (sequences, new tokens)}, needs its
     KV cache (2 x layers x KV heads x head dim per token) and one step of logits (the vocabulary per sequence);
     a batch that would not fit the device's memory is refused with the estimate. A hub model that cannot be
-    fetched is refused here, before anything is written; other failures pass (loading the model reports them)."""
+    fetched is refused here, before anything is written; other failures pass (loading the model reports them).
+    Made again once the data is read, with its longest prompt (recheck_generation_memory)."""
+    global _MEMORY_CHECKED
+    _MEMORY_CHECKED = (model, device, batches)
     try:
         config = _model_config(model)
     except UserError:
@@ -379,11 +411,11 @@ def check_generation_memory(model: str, device: torch.device, batches: dict[str,
     elem = 2 if device.type == "cuda" else 4  # bf16 on a GPU, fp32 on the CPU
     total = device_memory_bytes(device)
     for flags, (rows, new_tokens) in batches.items():
-        kv = 2 * layers * kv_heads * head_dim * elem * rows * (PROMPT_TOKENS + new_tokens)
+        kv = 2 * layers * kv_heads * head_dim * elem * rows * (prompt_tokens + new_tokens)
         need = kv + rows * config.vocab_size * 4
         if need > total:
             raise UserError(
-                f"{flags}: a generation batch of {rows:,} sequences of up to {PROMPT_TOKENS} + {new_tokens} tokens "
+                f"{flags}: a generation batch of {rows:,} sequences of up to {prompt_tokens} + {new_tokens} tokens "
                 f"needs about {need / 2**30:,.1f} GiB (KV cache and logits), more than the {device.type} memory "
                 f"({total / 2**30:,.1f} GiB); lower it"
             )
@@ -417,20 +449,46 @@ class StopSignal:
     """SIGTERM / SIGINT (preemption under a scheduler) set a flag; the loop finishes its step, saves, exits 0.
 
     Under torchrun a signal may reach one rank only: `should_stop()` all-reduces the flag so that every rank
-    stops after the same step and no rank waits alone in a collective.
+    stops after the same step and no rank waits alone in a collective. Outside the step (an evaluation, the
+    Monte Carlo measurement, DPO's pair sampling: see stoppable) check_stop ends a one-process run at once.
     """
 
     def __init__(self) -> None:
+        global _STOP
         self.flag = False
         self.name = ""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
+        _STOP = self
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.flag, self.name = True, signal.Signals(signum).name
 
     def should_stop(self) -> bool:
         return not all_ok(not self.flag)
+
+
+_STOP: StopSignal | None = None  # the run's stop signal (the latest made in this process)
+_STOPPABLE: list[str] = []  # what the run is doing that a stop signal cuts short, innermost last
+
+
+@contextlib.contextmanager
+def stoppable(what: str) -> Any:
+    """Within it, check_stop() ends the run on a stop signal: work never saved (an evaluation), redone on resume."""
+    _STOPPABLE.append(what)
+    try:
+        yield
+    finally:
+        _STOPPABLE.pop()
+
+
+def check_stop() -> None:
+    """Raise Stopped if a stop signal arrived inside stoppable(...). One process only: under torchrun a signal may
+    reach one rank, leaving the others in a collective, so there the stop waits for the step's end as before."""
+    if not (_STOPPABLE and _STOP is not None and _STOP.flag) or world_size() > 1:
+        return
+    if signal.getsignal(signal.SIGTERM) == _STOP._handle:  # still the run's handler (not a finished run's)
+        raise Stopped(f"stopped by {_STOP.name} during {_STOPPABLE[-1]}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -726,15 +784,36 @@ def load_error(what: str, name: str, source: Path | str, e: Exception) -> UserEr
     )
 
 
+def _load_from(name: str, what: str, load: Callable[[Path | str], T]) -> T:
+    """load(resolve_model(name)). A conversion in this project's cache that fails to load (a truncated
+    model.safetensors or tokenizer.json) is named, moved aside (NAME.damaged-TIME) and converted again, once;
+    if that fails too, the refusal gives the command that clears it."""
+    source = resolve_model(name)
+    try:
+        return load(source)
+    except Exception as e:
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        if not (isinstance(source, Path) and source.parent == cache_root()):
+            raise load_error(what, name, source, e) from None
+    aside = source.with_name(f"{source.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    with contextlib.suppress(OSError):  # another process may have moved it first
+        os.rename(source, aside)
+    print(f"the cached conversion {source} is damaged ({why}); moved to {aside}, converting again", flush=True)
+    source = resolve_model(name)
+    try:
+        return load(source)
+    except Exception as e:
+        raise UserError(
+            f"could not load {what} {name!r} from the cache {source} ({type(e).__name__}: {e}), even converted "
+            f"again; clear the cache with: rm -rf {cache_root()}"
+        ) from None
+
+
 def load_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
     quiet_transformers()
-    source = resolve_model(name)
-    try:
-        tok = AutoTokenizer.from_pretrained(source)
-    except Exception as e:
-        raise load_error("the tokenizer of", name, source, e) from None
+    tok = _load_from(name, "the tokenizer of", AutoTokenizer.from_pretrained)
     _set_pad_token(tok)
     return tok
 
@@ -788,11 +867,9 @@ def load_model(name: str, tokenizer: Any, seed: int = 0) -> nn.Module:
             if name == TINY_QWEN2:
                 randomise_biases(model)
     else:
-        source = resolve_model(name)
-        try:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-        except Exception as e:
-            raise load_error("model", name, source, e) from None
+        model = _load_from(
+            name, "model", lambda source: AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        )
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -912,11 +989,15 @@ class MetricsLogger:
         run_dir: Path,
         enabled: bool,
         resume_step: int | None = None,
+        resume_rows: int | None = None,
         first_row: Callable[[], dict[str, Any]] | None = None,
         track: Any = None,
     ) -> None:
-        """resume_step: the checkpoint's step. Rows a killed run logged after it (and a half-written last line)
-        are moved to metrics.jsonl.discarded-TIME, as the resumed run logs those steps again.
+        """resume_step: the checkpoint's step; resume_rows: the rows metrics.jsonl held when it was saved (its
+        counters' metrics_rows; None for a checkpoint saved before they were counted). Rows a killed run logged
+        after it (and a half-written last line) are moved to metrics.jsonl.discarded-TIME, as the resumed run
+        logs them again: with resume_rows, every row after the first resume_rows (a final evaluation's row at
+        the checkpoint's own step among them); without, the rows of later steps.
         first_row: fields added to the first row this process logs (the trainers: engine.rollout_record).
         track: the trainer's args (W&B only with --track: start_tracking)."""
         self.enabled = enabled
@@ -924,13 +1005,16 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.tb = None
         self.wandb = None
+        self.rows = 0  # rows in metrics.jsonl: a checkpoint records it (counters["metrics_rows"])
         if enabled and resume_step is not None and self.path.is_file():
             kept, later = [], []
-            for line in self.path.read_text().splitlines():
+            for n, line in enumerate(self.path.read_text().splitlines()):
                 step = None
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     step = json.loads(line)["step"]
-                (kept if isinstance(step, int) and step <= resume_step else later).append(line + "\n")
+                keep = isinstance(step, int) and step <= resume_step and (resume_rows is None or n < resume_rows)
+                (kept if keep else later).append(line + "\n")
+            self.rows = len(kept)
             if later:  # set aside, never dropped: metrics.jsonl.discarded-TIME
                 aside = self.path.with_name(f"{self.path.name}.discarded-{time.strftime('%Y%m%d-%H%M%S')}")
                 aside.write_text("".join(later))
@@ -955,8 +1039,9 @@ class MetricsLogger:
         if self.first_row is not None:
             row.update(self.first_row())
             self.first_row = None
-        with open(self.path, "a") as f:
+        with named_path(self.path), open(self.path, "a", opener=open_nofollow) as f:
             f.write(json.dumps(row) + "\n")
+        self.rows += 1
         scalars = metric_scalars(row)
         if self.tb is not None:
             for k, v in scalars.items():
@@ -986,20 +1071,32 @@ def write_results(
     results = {**fields, "test": test, "device": device_description(device, world), "date": time.strftime("%Y-%m-%d")}
     write_json_atomic(run_dir / "results.json", results)
     lo, hi = test["ci95"]
+    acc = "none" if test["accuracy"] is None else f"{100 * test['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
     print(
-        f"test accuracy {100 * test['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] on {test['n']} problems "
-        f"after {fields['steps']} steps ({run_dir / 'results.json'})",
+        f"test accuracy {acc} on {test['n']} problems after {fields['steps']} steps ({run_dir / 'results.json'})",
         flush=True,
     )
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    with named_path(path), open(tmp, "w", opener=open_nofollow) as f:  # os.replace replaces a link, not its target
         json.dump(obj, f, indent=2, default=str)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def named_path(path: Path) -> Any:
+    """An OSError without a file name (a full disk during write or fsync) gets path's, so that run_main says
+    it in one line instead of a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
 def read_results(path: Path) -> dict[str, Any]:
@@ -1014,98 +1111,6 @@ def read_results(path: Path) -> dict[str, Any]:
         raise UserError(f"{path} is damaged: {e}") from None
 
 
-# ------------------------------------------------------------------------------------------------------
-# The run folder's lock: <run_dir>/.lock, one JSON line {"pid": N, "holder": "ppo.py"}, flock'ed
-# ------------------------------------------------------------------------------------------------------
-
-LOCK_FILE = ".lock"
-
-
-class RunLock:
-    """An OS-level lock on a run folder (fcntl.flock on run_dir/.lock), held for the life of the run.
-
-    The file holds one JSON line, {"pid": N, "holder": "ppo.py"}, for the refusal message of whoever comes
-    second (sweep.sh writes the same line for its own lock). The kernel drops the lock when the process ends,
-    however it ends; release() also removes the file, and the folder when the run created it and left nothing
-    else in it. Acquiring checks that the file locked is still the one at the path (a releasing run may have
-    just removed it), so that two runs never hold locks on two different files."""
-
-    def __init__(self, run_dir: Path, holder: str | None = None) -> None:
-        self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK_FILE
-        self.holder = holder or Path(sys.argv[0]).name or "python"
-        self.fd: int | None = None
-        self.created = False
-
-    def acquire(self) -> RunLock:
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise UserError(f"--run-dir {self.run_dir} is not a folder (a file of that name exists)")
-        self.created = not self.run_dir.exists()
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise UserError(f"cannot write in the run folder {self.run_dir}: {e.strerror or e}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise UserError(f"{self.run_dir} is in use by {describe_lock_holder(self.path)}") from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # locked a file its holder removed on release: take the new one
-        os.ftruncate(fd, 0)
-        os.write(fd, (json.dumps({"pid": os.getpid(), "holder": self.holder}) + "\n").encode())
-        self.fd = fd
-        return self
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)  # while still held: whoever opened it before checks the inode
-        if self.created:
-            with contextlib.suppress(OSError):
-                self.run_dir.rmdir()  # only when empty: a run that wrote nothing leaves no folder
-        os.close(self.fd)
-        self.fd = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-def describe_lock_holder(path: Path) -> str:
-    """'ppo.py (pid 1234)', from the JSON line a lock file holds; 'another process' when unreadable."""
-    try:
-        info = json.loads(Path(path).read_text().splitlines()[0])
-        return f"{info['holder']} (pid {int(info['pid'])}), which holds {path}"
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return f"another process, which holds {path}"
-
-
-_RUN_LOCK: RunLock | None = None
-
-
-def acquire_run_lock(run_dir: Path) -> None:
-    """Lock run_dir for this process's run (released by run_main on every exit). One run per process: a lock
-    a previous run in this process left (a test calling main() directly) is released first."""
-    global _RUN_LOCK
-    release_run_lock()
-    _RUN_LOCK = RunLock(run_dir).acquire()
-
-
-def release_run_lock() -> None:
-    global _RUN_LOCK
-    if _RUN_LOCK is not None:
-        _RUN_LOCK.release()
-        _RUN_LOCK = None
+def open_nofollow(path: Path | str, flags: int) -> int:
+    """os.open opener that refuses a symbolic link at the last component (ELOOP, an OSError naming the path)."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o644)

@@ -428,9 +428,27 @@ def describe_holder(text: str) -> str:
     return f"a sweep (pid {pid})" if holder == "sweep" else f"a trainer ({holder}, pid {pid})"
 
 
+def refuse_links(out: Path) -> None:
+    """The sweep's folder, and everything in it, is never a symbolic link (as checkpoint.refuse_links for a run
+    folder; repeated here because this module imports no torch before its options are good)."""
+    if out.is_symlink():
+        raise UsageError(
+            f"--out {out} is a symbolic link (to {os.readlink(out)}); a sweep never follows one: "
+            "pass the folder it points to; nothing was written"
+        )
+    for root, dirs, files in os.walk(out):  # never follows a link: it lists one as a name
+        for name in dirs + files:
+            p = Path(root) / name
+            if p.is_symlink():
+                raise UsageError(
+                    f"{out} holds a symbolic link, {p.relative_to(out)} -> {os.readlink(p)}; a sweep never "
+                    "follows one: remove it; nothing was written"
+                )
+
+
 def take_lock(path: Path) -> int:
     """Lock path for this process's life (the file descriptor stays open) and write the holder into it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no truncation before the lock: the holder's line stays
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # no truncation before the lock
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -692,6 +710,7 @@ def main(argv: list[str]) -> int:
         slots = gpu_ids(o)
     elif o.launcher == "seq" and o.jobs > 1:
         slots = [f"cpu{k}" for k in range(1, o.jobs + 1)]
+    refuse_links(o.out)  # before anything is read or written in it
     if not o.dry_run:
         o.out.mkdir(parents=True, exist_ok=True)
         take_lock(o.out / ".lock")  # held until this process exits: two sweeps on one folder would run runs twice

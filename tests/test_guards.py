@@ -169,16 +169,16 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused_naming_the_holder(tmp_
         finally:
             proc.kill()
             proc.wait(timeout=60)
-    with runtime.RunLock(run_dir):  # released by the kernel: taken again at once
+    with checkpoint.RunLock(run_dir):  # released by the kernel: taken again at once
         pass
 
 
 def test_the_lock_is_released_when_the_run_ends(tmp_path):
-    lock = runtime.RunLock(tmp_path)
+    lock = checkpoint.RunLock(tmp_path)
     with lock:
         with pytest.raises(runtime.UserError, match=f"pid {os.getpid()}"):
-            runtime.RunLock(tmp_path).acquire()
-    with runtime.RunLock(tmp_path):
+            checkpoint.RunLock(tmp_path).acquire()
+    with checkpoint.RunLock(tmp_path):
         pass
 
 
@@ -232,13 +232,16 @@ def test_only_a_set_aside_checkpoint_is_refused_unless_resume_from_backup(finish
 
 def test_metrics_after_the_resumed_step_are_set_aside_not_dropped(finished_run, tmp_path):
     run_dir = killed_copy(finished_run, tmp_path)
+    final_val = (run_dir / "metrics.jsonl").read_text().splitlines()[-1]  # logged after the last save
+    assert "val/accuracy" in final_val and "reward" not in final_val
     later = json.dumps({"step": 2, "reward": -1.0}) + "\n" + '{"step": 3, "rew'
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(later)
     check_ok(run_here("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
     assert [r["step"] for r in step_rows(run_dir)] == [1]
     (aside,) = run_dir.glob("metrics.jsonl.discarded-*")
-    assert aside.read_text().strip() == later.strip()
+    assert aside.read_text().strip() == (final_val + "\n" + later).strip()
+    assert sum("val/accuracy" in r for r in read_metrics(run_dir)) == 1, "the final validation row logged twice"
 
 
 # ------------------------------------------------------------------------------------------------------
