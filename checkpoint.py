@@ -15,7 +15,7 @@ What a checkpoint promises:
   folder and leaves the previous checkpoint as it was.
 
 What it does not hold: metrics.jsonl, results.json and DPO's pairs.jsonl (beside it in the run folder); the
-data (only the position in it); the reference model (rebuilt from --model); the code's version. The manifest
+data (only the position in it, and its fingerprint: common.data_record); the reference model (rebuilt from --model); the code's version. The manifest
 checks integrity, not origin: it is not signed.
 Also here: the run folder: its checks before a run starts (prepare_run_dir: no symbolic links, no run
 overwritten), its lock (RunLock), and what a stopped run says next. The errors and the collectives are
@@ -448,6 +448,7 @@ def _read_json_object(path: Path, ckpt: Path) -> dict[str, Any]:
 RESUMABLE_ARGS = {
     "resume",
     "resume_from_backup",
+    "allow_data_change",
     "run_dir",
     "eval_every",
     "save_every",
@@ -491,6 +492,8 @@ def _check_state(state: dict[str, Any], path: Path, saved: dict[str, Any]) -> No
         raise bad(f"sampler is {sampler!r}, not an epoch and a position")
     if "world" in state and not (count(state["world"]) and state["world"] >= 1):
         raise bad(f"world is {state['world']!r}, not a number of ranks")
+    if "data" in state and not isinstance(state["data"], dict):  # absent in a checkpoint from before fingerprints
+        raise bad(f"data is {state['data']!r}, not a data fingerprint")
 
 
 def load_checkpoint(

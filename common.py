@@ -15,6 +15,7 @@ setup, loading, logging or checkpoints (runtime.py), the critics (critics.py).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -148,6 +149,58 @@ def load_gsm8k(data_dir: str | None, val_size: int = 500, val_seed: int = 0) -> 
     train = [p for i, p in enumerate(splits["train"]) if i not in val_idx]
     val = [splits["train"][i] for i in sorted(val_idx)]
     return {"train": train, "val": val, "test": splits["test"]}
+
+
+def data_fingerprint(splits: dict[str, list[Problem]]) -> dict[str, dict[str, Any]]:
+    """What data a run used: per split, its count and a SHA-256 over its problems' questions and answers in
+    order ({"train": {"n": 6973, "sha256": "..."}, "val": ..., "test": ...}). The toy task samples its prompts
+    from the same GSM8K problems, so the same fingerprint covers it."""
+    out = {}
+    for split, problems in splits.items():
+        h = hashlib.sha256()
+        for p in problems:  # each field length-prefixed, so that no two lists of problems hash alike by joining
+            for text in (p.question, p.solution):
+                b = text.encode("utf-8")
+                h.update(len(b).to_bytes(8, "little") + b)
+        out[split] = {"n": len(problems), "sha256": h.hexdigest()}
+    return out
+
+
+def data_record(data_dir: str | None, splits: dict[str, list[Problem]]) -> dict[str, Any]:
+    """results.json's and the checkpoint's "data": the folder actually read (--data-dir, else $GSM8K_DIR,
+    resolved to an absolute path; "hub:openai/gsm8k" without one) and data_fingerprint. args.data_dir is left as
+    given, so that a resume compares the flags the user passed."""
+    folder = resolve_data_dir(data_dir)
+    return {
+        "folder": str(Path(folder).resolve()) if folder is not None else "hub:openai/gsm8k",
+        **data_fingerprint(splits),
+    }
+
+
+def check_data_change(saved: Any, now: dict[str, Any], allow: bool) -> str | None:
+    """A resume's data against its checkpoint's (saved: state.json's "data", or None in a checkpoint from
+    before fingerprints). Different problems in a split are refused in one line naming the split and its counts,
+    unless allow (--allow-data-change); returns a notice to print, or None when nothing changed."""
+    if not isinstance(saved, dict):
+        return "note: the checkpoint records no data fingerprint (saved before they existed); resuming unchecked"
+    changed = [
+        s for s in ("train", "val", "test")
+        if isinstance(saved.get(s), dict) and saved[s].get("sha256") != now[s]["sha256"]
+    ]  # fmt: skip
+    if not changed:
+        return None
+    shown = "; ".join(
+        f"{s} {saved[s].get('n')} -> {now[s]['n']} problems"
+        + (", same count" if saved[s].get("n") == now[s]["n"] else "")
+        for s in changed
+    )
+    where = f"{saved.get('folder')} -> {now['folder']}" if saved.get("folder") != now["folder"] else str(now["folder"])
+    if not allow:
+        raise runtime.UserError(
+            f"--resume on different data: the {', '.join(changed)} split{'s' if len(changed) > 1 else ''} changed "
+            f"({shown}; {where}); restore the data, or pass --allow-data-change if the change is meant"
+        )
+    return f"note: --allow-data-change: resuming on changed data ({shown}); the new fingerprint is recorded"
 
 
 def _load_gsm8k_hub() -> dict[str, list[Problem]]:

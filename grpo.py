@@ -49,6 +49,8 @@ class Args:
     """continue the run in run_dir from its checkpoint"""
     resume_from_backup: bool = False
     """with --resume, accept the previous checkpoint a killed save set aside (.checkpoint.old-*) when checkpoint/ is gone"""
+    allow_data_change: bool = False
+    """with --resume, accept GSM8K data that differs from the checkpoint's (its fingerprint: counts and SHA-256 per split)"""
     device: str = "auto"
     """auto (cuda when present), cpu or cuda"""
     fsdp: bool = False
@@ -224,6 +226,7 @@ def main() -> None:
     checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
+    data_used = common.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
     tokenizer = runtime.load_tokenizer(args.model)
     new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
     common.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
@@ -269,6 +272,9 @@ def main() -> None:
     modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
         state = checkpoint.load_checkpoint(run_dir, **modules, map_location=device)
+        notice = common.check_data_change(state.get("data"), data_used, args.allow_data_change)
+        if notice and dist_.main:
+            print(notice, flush=True)
         counters.update(state["counters"])
         sampler.load_state_dict(state["sampler"])
     if dist_.main:
@@ -301,7 +307,7 @@ def main() -> None:
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"], counters["metrics_rows"] = time.time() - t_start, logger.rows
-        state = {"counters": counters, "sampler": sampler.state_dict(), "world": world}
+        state = {"counters": counters, "sampler": sampler.state_dict(), "world": world, "data": data_used}
         checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
     show = dist_.main and args.progress
@@ -499,6 +505,7 @@ def main() -> None:
             "wall_time_s": counters["wall_time"],
             "critic_params": runtime.count_params(critic),
             "args": args_dict,
+            "data": data_used,  # the folder actually read (args.data_dir as given) and the fingerprint
             "scaled_down": scaled,
             **engine.rollout_record(),  # the rollout backend actually used, every fallback and its reason
         }

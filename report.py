@@ -270,6 +270,7 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "step_times": step_times,
         "mc": mc_summary(rows, method),
         "curve": curve(rows),
+        "data": res.get("data") if isinstance(res.get("data"), dict) else None,  # common.data_record
     }
 
 
@@ -1288,6 +1289,27 @@ def informative_warnings(runs: list[dict[str, Any]], out: Path) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def data_differences(runs: list[dict[str, Any]]) -> list[str]:
+    """One line per experiment whose runs used different data (results.json's "data": each split's count and
+    SHA-256), naming the runs of each version; runs from before the fingerprint are left out of the comparison."""
+    lines = []
+    for experiment in sorted({r["experiment"] for r in runs}, key=lambda e: sort_key(e, "")):
+        versions: dict[tuple, list[str]] = {}  # (train, val, test) as (n, sha256) -> the runs' folder names
+        for r in sorted(runs, key=lambda r: (*sort_key(r["experiment"], r["run"]), r["seed"])):
+            if r["experiment"] == experiment and r.get("data"):
+                split = [r["data"].get(s) or {} for s in ("train", "val", "test")]
+                key = tuple((d.get("n"), d.get("sha256")) for d in split)
+                versions.setdefault(key, []).append(Path(r["dir"]).name)
+        if len(versions) > 1:
+            shown = "; ".join(
+                f"{', '.join(names)} (train {k[0][0]}, val {k[1][0]}, test {k[2][0]} problems; "
+                f"sha256 {'/'.join(str(h)[:8] for _, h in k)})"
+                for k, names in versions.items()
+            )
+            lines.append(f"- warning: the runs of {experiment} used different data: {shown}")
+    return ["", *lines] if lines else []
+
+
 def write_report(out: Path, report_dir: Path) -> Path:
     runs, damaged = load_runs(out)
     if not runs:
@@ -1338,6 +1360,7 @@ def write_report(out: Path, report_dir: Path) -> Path:
         f"# Sweep report: {out}",
         *preflight_lines(out),
         *informative_warnings(runs, out),
+        *data_differences(runs),
         "",
         f"Written by report.py on {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} finished runs. "
         f"Model: {', '.join(models)}; scale: {', '.join(scales)}; device: {', '.join(devices)}.",
