@@ -94,6 +94,7 @@ def process_state():
     import numpy as np
     import torch
 
+    import checkpoint
     import runtime
 
     saved_env, cwd = dict(os.environ), os.getcwd()
@@ -107,7 +108,7 @@ def process_state():
         with warnings.catch_warnings():
             yield
     finally:
-        runtime.release_run_lock()
+        checkpoint.release_run_lock()  # the lock moved with the checkpoint code
         os.environ.clear()
         os.environ.update(saved_env)
         os.chdir(cwd)
