@@ -1,6 +1,6 @@
 """The method the three trainers share: GSM8K, the prompt, the reward, the losses, the measurement, evaluation.
 
-ppo.py, grpo.py and dpo.py import this file (and engine.py, runtime.py, critics.py), never each other, so that no
+The trainers import this file (and engine.py, models.py, runtime.py, critics.py), never each other, so that no
 method gets a quietly different reward, prompt, loss, measurement or evaluation. Everything here is a small
 function with shape comments and, where it implements a paper, a link to it; the call sites and the sum of the
 loss stay inline in each trainer.
@@ -9,7 +9,7 @@ Holds, in order: GSM8K and the prompt sampler, the prompt builder, the reward (a
 tests), the losses and advantages, the dealing of rows over ranks, the Monte Carlo measurement of a baseline's
 error, evaluation and its intervals.
 Does not hold: an nn.Module, a forward pass or generation (engine.py), files other than GSM8K's, distributed
-setup, loading, logging or checkpoints (runtime.py), the critics (critics.py).
+setup, logging or checkpoints (runtime.py), loading (models.py), the critics (critics.py).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import engine
+import models
 import runtime
 
 # ======================================================================================================
@@ -98,9 +99,9 @@ def check_prompt_lengths(
     """The longest prompt of every split, in tokens (the few longest questions by UTF-8 bytes tokenised: a byte
     -level tokenizer never gives more tokens than bytes). A prompt that with max_new_tokens exceeds the model's
     context is refused naming its file and line; the memory estimate made before loading is made again with
-    the longest prompt in place of runtime.PROMPT_TOKENS. Returns the longest prompt's length."""
+    the longest prompt in place of models.PROMPT_TOKENS. Returns the longest prompt's length."""
     try:
-        context = runtime._model_config(model).max_position_embeddings
+        context = models._model_config(model).max_position_embeddings
     except Exception:  # an unknown model or config: loading the model reports it
         context = None
     longest, where = 0, ""
@@ -114,7 +115,7 @@ def check_prompt_lengths(
             f"{where}: a prompt of {longest:,} tokens, which with {max_new_tokens} new tokens exceeds the model's "
             f"context of {context:,}: remove or shorten that line"
         )
-    runtime.recheck_generation_memory(longest)
+    models.recheck_generation_memory(longest)
     return longest
 
 

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 import checkpoint
 import common
 import engine
+import models
 import runtime
 
 
@@ -189,7 +190,7 @@ def main() -> None:
     args.optimizer_steps = args.total_steps * args.update_epochs
     micro = args.micro_batch_size
     sampled = args.batch_size // world if args.online else args.eval_batch_size  # prompts per sampling batch
-    runtime.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
+    models.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
         "--batch-size (online) or --eval-batch-size (offline) x --samples-per-prompt": (
             sampled * args.samples_per_prompt, args.max_new_tokens),
         "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
@@ -203,7 +204,7 @@ def main() -> None:
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     data_used = common.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
-    tokenizer = runtime.load_tokenizer(args.model)
+    tokenizer = models.load_tokenizer(args.model)
     new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
     common.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
     prompt_cache: dict[int, list[int]] = {}
@@ -218,7 +219,7 @@ def main() -> None:
     # forward data-parallel (policy_ddp), its whole weights for generation (policy_full)
     # ==================================================================================================
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
-    policy = runtime.load_model(args.model, tokenizer, args.seed).to(home)
+    policy = models.load_model(args.model, tokenizer, args.seed).to(home)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False)  # DPO's baseline: the log-ratio to this model

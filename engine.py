@@ -4,7 +4,7 @@ training forward that gives per-token log-probs of given tokens.
 Holds: the rollout record, left padding, the per-row uniforms that make sampling independent of the batch, the
 sampler, generate(), the static engine and its Llama/Qwen2 layer functions, decoding, and the training forward
 (PolicyForward, chunked log-probs, padding trim, length-sorted micro-batches).
-Does not hold: anything about GSM8K, prompts or rewards (common.py), nor loading, distributed setup or
+Does not hold: anything about GSM8K, prompts or rewards (common.py), nor loading (models.py), distributed setup or
 checkpoints (runtime.py). It works on token ids and tensors only.
 """
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 import checkpoint
 import common
 import engine
+import models
 import runtime
 from critics import build_critic
 
@@ -238,7 +239,7 @@ def main() -> None:
     args.micro_batch = min(args.micro_batch_size, args.minibatch_size)
     runtime.check_divides("the minibatch per rank", args.minibatch_size, args.micro_batch, "--micro-batch-size")
     args.optimizer_steps = args.total_steps * args.update_epochs * args.num_minibatches
-    runtime.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
+    models.check_generation_memory(args.model, device, {  # the largest generation batches, before anything loads
         "--batch-size x --group-size": (args.completions_per_rank, args.max_new_tokens),
         "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
     })  # fmt: skip
@@ -249,7 +250,7 @@ def main() -> None:
     runtime.seed_everything(args.seed)
     splits = common.load_gsm8k(args.data_dir, args.val_size)
     data_used = common.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
-    tokenizer = runtime.load_tokenizer(args.model)
+    tokenizer = models.load_tokenizer(args.model)
     new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
     common.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
     prompt_cache: dict[int, list[int]] = {}
@@ -264,7 +265,7 @@ def main() -> None:
     # forward data-parallel (policy_ddp), its whole weights for generation (policy_full)
     # ==================================================================================================
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: the weights reach the GPU as shards
-    policy = runtime.load_model(args.model, tokenizer, args.seed).to(home)
+    policy = models.load_model(args.model, tokenizer, args.seed).to(home)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None

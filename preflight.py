@@ -32,6 +32,7 @@ import torch
 
 import common
 import engine
+import models
 import runtime
 
 REPO = Path(__file__).resolve().parent
@@ -187,8 +188,8 @@ def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict]:
     G, T = int(args["group_size"]), int(args["max_new_tokens"])
     splits = common.load_gsm8k(args["data_dir"], args["val_size"])
     try:
-        tokenizer = runtime.load_tokenizer(args["model"])
-        model = runtime.load_model(args["model"], tokenizer, args["seed"]).to(device).eval()
+        tokenizer = models.load_tokenizer(args["model"])
+        model = models.load_model(args["model"], tokenizer, args["seed"]).to(device).eval()
     except runtime.UserError as e:  # a model that cannot be fetched: the loader's reason, on one line
         raise runtime.UserError(" ".join(str(e).split())) from None
     train = splits["train"]

@@ -24,6 +24,7 @@ from typing import Annotated, Any
 import tyro
 
 import common
+import models
 import preflight
 import runtime
 
@@ -1010,7 +1011,7 @@ GPUS = {"h200": dict(name="H200", memory=139 * 2**30, flops=989e12, bandwidth=4.
 ACT_BYTES_H, ACT_BYTES_I = 31, 8
 MFU = 0.30  # the training forward and backward's share of the bf16 peak (HF eager layers, micro-batches of 64)
 KERNEL_GAP_S = 36 * 1.5e-6  # per layer per decode step: 36 kernels x ~1.5 us between kernels (docs/throughput.md)
-PROMPT_TOKENS = runtime.PROMPT_TOKENS  # a generous GSM8K chat prompt
+PROMPT_TOKENS = models.PROMPT_TOKENS  # a generous GSM8K chat prompt
 GSM8K_TEST = 1319
 # the study's settings (each trainer's Args() defaults; tests/test_qwen2.py checks they agree)
 STUDY = {

@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 import engine  # noqa: E402
+import models  # noqa: E402
 import runtime  # noqa: E402
 
 SECTIONS = ("sdpa", "check", "generate", "hf_static", "eval", "grpo", "ppo", "toy", "trl", "train")
@@ -191,8 +192,8 @@ class Bench:
         self.t_start = time.perf_counter()
         self.model_name = "tiny" if args.tiny else (args.model or os.environ.get("SMOLLM2_GGUF") or "smollm2")
         tok_name = (os.environ.get("SMOLLM2_GGUF") or "tiny") if args.tiny else self.model_name
-        self.tok = runtime.load_tokenizer(tok_name)
-        self.lm = runtime.load_model(self.model_name, self.tok, seed=0).to(self.device).eval()
+        self.tok = models.load_tokenizer(tok_name)
+        self.lm = models.load_model(self.model_name, self.tok, seed=0).to(self.device).eval()
         self.splits = common.load_gsm8k(args.data_dir)
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         self.report: dict[str, Any] = {
@@ -783,7 +784,7 @@ def run_trl(b: Bench) -> dict[str, Any]:
         b.lm.save_pretrained(model_dir)
         b.tok.save_pretrained(model_dir)
     else:
-        model_dir = Path(runtime.resolve_model(b.model_name))
+        model_dir = Path(models.resolve_model(b.model_name))
     out_json = Path(a.work_dir) / "trl.json"
     cmd = [sys.executable, "bench/trl_grpo.py", "--model-dir", str(model_dir), "--out", str(out_json)]
     cmd += ["--device", b.device.type, "--prompts", str(a.grpo_prompts), "--generations", str(a.group)]

@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer with the settings bench/throughput.py gives grpo.py: seconds per optimiser step.
 
 The same model (fp32 master weights, bf16 autocast on a GPU), the same chat prompts and strict GSM8K reward
-(common.py, runtime.py), `prompts` x `generations` completions of at most `max_new_tokens` tokens per step, one pass
+(common.py, models.py), `prompts` x `generations` completions of at most `max_new_tokens` tokens per step, one pass
 over them, generation through transformers' generate() (TRL's default without vLLM). Run by
 bench/throughput.py in its own process; writes {"step_seconds": [...], "peak_gib": ..., "differs_from_grpo": {...}}
 to --out: every TRL setting that differs from grpo.py's in the benchmark, printed beside the ratio. Gradient
@@ -32,7 +32,7 @@ import common  # noqa: E402
 @dataclass
 class Args:
     model_dir: str
-    """a transformers model folder with its tokenizer (bench/throughput.py passes runtime.resolve_model's)"""
+    """a transformers model folder with its tokenizer (bench/throughput.py passes models.resolve_model's)"""
     out: str
     """where to write the step times (JSON)"""
     data_dir: str | None = None

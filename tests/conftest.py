@@ -25,9 +25,9 @@ def gsm8k_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    import runtime
+    import models
 
-    return runtime.load_tokenizer(runtime.TINY_MODEL)
+    return models.load_tokenizer(models.TINY_MODEL)
 
 
 @pytest.fixture(scope="module")

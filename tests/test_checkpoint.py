@@ -27,6 +27,7 @@ from helpers import (
 
 import checkpoint
 import engine
+import models
 import runtime
 from critics import build_critic
 
@@ -36,8 +37,8 @@ from critics import build_critic
 
 
 def tiny_training_state(seed: int = 0):
-    tok = runtime.load_tokenizer("tiny")
-    policy = runtime.load_model("tiny", tok, seed=seed)
+    tok = models.load_tokenizer("tiny")
+    policy = models.load_model("tiny", tok, seed=seed)
     critic = build_critic("small", policy.config.hidden_size)
     opt = torch.optim.AdamW([{"params": policy.parameters()}, {"params": critic.parameters()}], lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -262,8 +263,8 @@ def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
     for k in crit_a:
         assert torch.equal(crit_a[k], crit_b[k]), f"critic {k} differs after resume"
     # and the runs were not trivial: the policy moved from its init, the critic from its zero output layer
-    tok = runtime.load_tokenizer("tiny")
-    init = runtime.load_model("tiny", tok, seed=1).state_dict()
+    tok = models.load_tokenizer("tiny")
+    init = models.load_model("tiny", tok, seed=1).state_dict()
     assert any(not torch.equal(init[k], pol_a[k]) for k in pol_a)
     assert crit_a["out.weight"].abs().sum() > 0
 

@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import engine
+import models
 import runtime
 from critics import HEAD_WIDTHS, build_critic
 
@@ -26,7 +27,7 @@ def llama_trunk_params(vocab: int, H: int, inter: int, layers: int, heads: int, 
 
 
 SMOLLM2_135M = dict(vocab=49152, H=576, inter=1536, layers=30, heads=9, kv_heads=3, head_dim=64)
-TINY = dict(vocab=49152, H=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16)  # runtime.tiny_config
+TINY = dict(vocab=49152, H=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16)  # models.tiny_config
 
 
 def _policy_on_meta(spec):
@@ -78,7 +79,7 @@ def test_heads_output_shape_and_start_at_zero(name):
 
 @pytest.fixture(scope="module")
 def tiny_policy(tiny_tokenizer):
-    return runtime.load_model(runtime.TINY_MODEL, tiny_tokenizer, seed=0)
+    return models.load_model(models.TINY_MODEL, tiny_tokenizer, seed=0)
 
 
 def test_full_critic_is_a_separate_copy(tiny_policy):

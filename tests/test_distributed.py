@@ -32,7 +32,7 @@ from helpers import REPO, check_ok, cli, command, run_here, trainer_env, wait_fo
 
 import checkpoint
 import common
-import runtime
+import models
 
 # Small enough that a torchrun of two steps takes about ten seconds on two cores (mostly startup).
 BASE = {
@@ -200,7 +200,7 @@ def assert_same_weights(one: Path, two: Path, seed: int = 1, model: str = "tiny"
             diff = (a[part][k] - b[part][k]).abs().max().item()
             scale = a[part][k].abs().max().clamp(min=1e-12).item()
             assert diff <= REL_TOL * scale, f"{part} {k}: max |one - two| = {diff:.3g}, max |one| = {scale:.3g}"
-    init = runtime.load_model(model, runtime.load_tokenizer(model), seed=seed).state_dict()
+    init = models.load_model(model, models.load_tokenizer(model), seed=seed).state_dict()
     moved = torch.cat([(a["policy"][k] - init[k]).abs().flatten() for k in a["policy"]])  # [n parameters]
     differ = torch.cat([(a["policy"][k] - b["policy"][k]).abs().flatten() for k in a["policy"]])
     # Means, not maxima: Adam scales each element's step to about lr whatever its gradient's size, so an element
@@ -391,11 +391,11 @@ def test_fsdp_shards_qwen2_and_two_ranks_equal_one_process(tmp_path, data_dir):
     """The study's family under FSDP2: tiny-qwen2 (q/k/v biases, tied embeddings), its decoder layers sharded
     (Qwen2DecoderLayer, from transformers' _no_split_modules) with the full critic's; one step."""
     one, two = tmp_path / "one", tmp_path / "two"
-    run = dict(FSDP_RUN, model=runtime.TINY_QWEN2, total_steps=1)
+    run = dict(FSDP_RUN, model=models.TINY_QWEN2, total_steps=1)
     for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True)), "ppo.py", flags(one, data_dir, **run)):
         check_ok(proc)
     assert {p.name for p in (two / checkpoint.CHECKPOINT / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
-    assert_same_weights(one, two, model=runtime.TINY_QWEN2)
+    assert_same_weights(one, two, model=models.TINY_QWEN2)
     assert_same_curve(one, two)
 
 

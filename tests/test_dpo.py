@@ -27,7 +27,7 @@ from helpers import (
 
 import checkpoint
 import common
-import runtime
+import models
 
 # Four pairs (offline) or four prompts (online) a step, K = 4 samples of up to 8 tokens, 8 offline prompts.
 DPO_TINY = {
@@ -140,7 +140,7 @@ def test_offline_resume_reuses_the_cached_pairs(dpo_run, tmp_path):
 
 @pytest.fixture(scope="module")
 def tok():
-    return runtime.load_tokenizer("tiny")
+    return models.load_tokenizer("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_sequence_logprobs_equal_a_direct_computation(dpo_run, tok, train_split)
     run_dir = dpo_run("gold offline sigmoid")
     pairs = read_pairs(run_dir)
     seed = json.loads((run_dir / "results.json").read_text())["args"]["seed"]
-    ref = runtime.load_model("tiny", tok, seed=seed).eval()
+    ref = models.load_model("tiny", tok, seed=seed).eval()
     lengths = {len(p[side]) for p in pairs for side in ("chosen", "rejected")}
     assert len(lengths) > 2, "the test needs responses of several lengths (padding)"
     for p in pairs:

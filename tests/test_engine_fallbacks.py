@@ -16,17 +16,18 @@ from test_engine_preflight import FakeCuda, graph_engine, make_prompts, rollout
 from torch._dynamo.testing import CompileCounter
 
 import engine
+import models
 import runtime
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return runtime.load_tokenizer(runtime.TINY_MODEL)
+    return models.load_tokenizer(models.TINY_MODEL)
 
 
 @pytest.fixture(scope="module")
 def lm(tok):
-    return runtime.load_model(runtime.TINY_MODEL, tok, seed=0).eval()
+    return models.load_model(models.TINY_MODEL, tok, seed=0).eval()
 
 
 @pytest.fixture(autouse=True)

@@ -28,19 +28,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine
-import runtime
+import models
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return runtime.load_tokenizer(runtime.TINY_MODEL)
+    return models.load_tokenizer(models.TINY_MODEL)
 
 
 @pytest.fixture(scope="module")
 def lm(tok):
-    return runtime.load_model(runtime.TINY_MODEL, tok, seed=0).eval()
+    return models.load_model(models.TINY_MODEL, tok, seed=0).eval()
 
 
 def make_prompts(lengths) -> list[list[int]]:

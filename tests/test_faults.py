@@ -17,6 +17,7 @@ from test_sweep import sweep
 import checkpoint
 import common
 import engine
+import models
 import runtime
 
 # ------------------------------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def test_a_crafted_checkpoint_state_is_one_line(finished_run, tmp_path, crafted)
 
 
 def test_an_evaluation_of_zero_problems_reads_absent_not_zero(tiny_tokenizer):
-    model = runtime.load_model(runtime.TINY_MODEL, tiny_tokenizer)
+    model = models.load_model(models.TINY_MODEL, tiny_tokenizer)
     res = common.evaluate(
         model, tiny_tokenizer, [], task="gsm8k", prompt_format="chat", max_new_tokens=4, batch_size=4,
         show_progress=False,
@@ -351,14 +352,14 @@ def test_a_prompt_beyond_the_models_context_is_refused_before_any_work(tmp_path,
 
 def test_the_memory_estimate_is_made_again_with_the_longest_prompt(monkeypatch):
     batches = {"--eval-batch-size": (64, 8)}
-    runtime.check_generation_memory(runtime.TINY_MODEL, runtime.torch.device("cpu"), batches)  # passes
-    config = runtime.tiny_config()
+    models.check_generation_memory(models.TINY_MODEL, runtime.torch.device("cpu"), batches)  # passes
+    config = models.tiny_config()
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 64
-    fits = per_token * (runtime.PROMPT_TOKENS + 8) + 64 * config.vocab_size * 4
-    monkeypatch.setattr(runtime, "device_memory_bytes", lambda device: fits)  # room for 256-token prompts only
-    runtime.recheck_generation_memory(runtime.PROMPT_TOKENS)
+    fits = per_token * (models.PROMPT_TOKENS + 8) + 64 * config.vocab_size * 4
+    monkeypatch.setattr(models, "device_memory_bytes", lambda device: fits)  # room for 256-token prompts only
+    models.recheck_generation_memory(models.PROMPT_TOKENS)
     with pytest.raises(runtime.UserError, match="up to 1000 \\+ 8 tokens"):
-        runtime.recheck_generation_memory(1000)
+        models.recheck_generation_memory(1000)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -371,7 +372,7 @@ def _damaged_cache(tmp_path: Path, monkeypatch) -> Path:
     small files copied from the real cache; the weights are not needed to load a tokenizer)."""
     import shutil
 
-    real = runtime.resolve_model(runtime.PACKAGED_MODEL)  # the primed cache's folder
+    real = models.resolve_model(models.PACKAGED_MODEL)  # the primed cache's folder
     cache = tmp_path / "cache"
     monkeypatch.setenv("RLVR_CACHE", str(cache))
     folder = cache / real.name
@@ -381,13 +382,13 @@ def _damaged_cache(tmp_path: Path, monkeypatch) -> Path:
             shutil.copy(p, folder / p.name)
     text = (folder / "tokenizer.json").read_bytes()
     (folder / "tokenizer.json").write_bytes(text[: len(text) // 2])
-    assert runtime.resolve_model(runtime.PACKAGED_MODEL) == folder
+    assert models.resolve_model(models.PACKAGED_MODEL) == folder
     return folder
 
 
 def test_a_damaged_tokenizer_cache_is_named_moved_aside_and_rebuilt(tmp_path, monkeypatch, capsys):
     folder = _damaged_cache(tmp_path, monkeypatch)
-    tok = runtime.load_tokenizer(runtime.TINY_MODEL)
+    tok = models.load_tokenizer(models.TINY_MODEL)
     assert tok.pad_token_id is not None and len(tok("How many apples?")["input_ids"]) > 0
     out = capsys.readouterr().out
     assert f"the cached conversion {folder} is damaged" in out, out
@@ -408,6 +409,6 @@ def test_a_cache_still_damaged_after_the_rebuild_is_refused_with_the_command_tha
             shutil.copytree(damaged, folder)
         return folder
 
-    monkeypatch.setattr(runtime, "_dequantised_cache", rebuild_damaged)
+    monkeypatch.setattr(models, "_dequantised_cache", rebuild_damaged)
     with pytest.raises(runtime.UserError, match=f"clear the cache with: rm -rf {tmp_path / 'cache'}"):
-        runtime.load_tokenizer(runtime.TINY_MODEL)
+        models.load_tokenizer(models.TINY_MODEL)

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import common
 import engine
-import runtime
+import models
 
 CPU = torch.device("cpu")
 QUESTIONS = [
@@ -33,12 +33,12 @@ HIDDEN = 1e-4
 
 @pytest.fixture(scope="module")
 def tok():
-    return runtime.load_tokenizer("tiny")
+    return models.load_tokenizer("tiny")
 
 
 @pytest.fixture(scope="module")
 def tiny_lm(tok):
-    return runtime.load_model("tiny", tok, seed=0).eval()
+    return models.load_model("tiny", tok, seed=0).eval()
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +101,8 @@ def test_greedy_matches_transformers_generate(tiny_lm, tok, prompts):
 
 @pytest.mark.packaged
 def test_greedy_matches_transformers_generate_smollm2():
-    tok = runtime.load_tokenizer("smollm2")
-    lm = runtime.load_model("smollm2", tok).eval()
+    tok = models.load_tokenizer("smollm2")
+    lm = models.load_model("smollm2", tok).eval()
     prompts = [common.encode_prompt(tok, q) for q in QUESTIONS]
     ro = engine.generate(lm, prompts, max_new_tokens=24, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     hf = lm.generate(

@@ -24,6 +24,7 @@ from helpers import (
 
 import common
 import engine
+import models
 import runtime
 
 # Two prompts x four completions of up to 8 tokens, the MC measurement on one prompt with K = 2: seconds.
@@ -372,7 +373,7 @@ def test_the_baseline_is_measured_against_k_fresh_rollouts(watched, name):
     rec = watched(name)
     ro = rec["rollout"]
     prompts = ro.prompt_ids  # the training prompts, left-padded, one row per completion
-    pad = runtime.load_tokenizer("tiny").pad_token_id
+    pad = models.load_tokenizer("tiny").pad_token_id
     (mc,) = rec["mc_values"]
     assert mc["k"] == MC_SAMPLES
     # the measured completion of group j is row j * G: its prompt state first, then prefixes of its own tokens

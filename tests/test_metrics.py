@@ -432,10 +432,10 @@ def test_mc_rollouts_from_state_t_write_and_count_at_most_t_minus_t_tokens(monke
     """A state t tokens into a completion of at most T has T - t tokens left: its MC rollouts are cut there and
     only those count (they used to run up to T tokens from every state, all counted in mc_tokens)."""
     import engine
-    import runtime
+    import models
 
-    tok = runtime.load_tokenizer("tiny")
-    model = runtime.load_model("tiny", tok, 0)
+    tok = models.load_tokenizer("tiny")
+    model = models.load_model("tiny", tok, 0)
     T, k = 8, 3
     prefixes = [[], [9] * (T - 1), [9] * (T - 2), [9] * 2]
     budgets = [T - len(x) for x in prefixes]

@@ -23,6 +23,7 @@ from helpers import (
 
 import checkpoint
 import common
+import models
 import runtime
 from critics import CRITICS
 
@@ -250,11 +251,11 @@ def test_critic_warmup_steps_move_the_critic_and_not_the_policy(tmp_path):
 
     from critics import build_critic
 
-    tok = runtime.load_tokenizer("tiny")
-    init = runtime.load_model("tiny", tok, 1).state_dict()
+    tok = models.load_tokenizer("tiny")
+    init = models.load_model("tiny", tok, 1).state_dict()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
-        critic0 = build_critic("small", runtime.load_model("tiny", tok, 1).config.hidden_size, None).state_dict()
+        critic0 = build_critic("small", models.load_model("tiny", tok, 1).config.hidden_size, None).state_dict()
     flags = dict(task="toy", critic="small", total_steps=1, lr=1e-2, critic_lr=1e-2, kl_coef=0, mc_every=0)
     moved = {}
     for warmup in (1, 0):

@@ -187,9 +187,9 @@ def test_the_trainers_print_their_settings_without_loading_anything(tmp_path):
 
 
 def test_monte_carlo_counts_the_informative_states(tiny_tokenizer):
-    import runtime
+    import models
 
-    model = runtime.load_model(runtime.TINY_MODEL, tiny_tokenizer, 0).eval()
+    model = models.load_model(models.TINY_MODEL, tiny_tokenizer, 0).eval()
     prompts = [common.encode_prompt(tiny_tokenizer, q, "chat") for q in ("one", "two plus two", "three")]
     responses = [[5, 17, 32, 8], [40, 41], [16, 2, 3]]
     out, _ = common.monte_carlo(

@@ -6,6 +6,7 @@ import pytest
 
 import common
 import engine
+import models
 import runtime
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
@@ -66,12 +67,12 @@ def test_training_and_evaluation_feed_identical_token_ids(tmp_path, monkeypatch,
     )
     training_prompt = fed[0][0]  # the first rollout of the first step
 
-    tok = runtime.load_tokenizer("tiny")
+    tok = models.load_tokenizer("tiny")
     train = common.load_gsm8k(str(gsm8k_dir))["train"]
     text = tok.decode(training_prompt)
     problem = next(p for p in train if p.question.strip() in text)
     fed.clear()
-    model = runtime.load_model("tiny", tok)
+    model = models.load_model("tiny", tok)
     common.evaluate(model, tok, [problem], task="gsm8k", prompt_format="chat", max_new_tokens=2, batch_size=1)
     assert fed == [[training_prompt]]
     assert "<|im_start|>assistant" in text and common.INSTRUCTION in text

@@ -1,6 +1,6 @@
 """Qwen2 (the study's model family) everywhere the code reads a model, on the CPU with a tiny random Qwen2.
 
-runtime's `tiny-qwen2`: q/k/v biases drawn non-zero (transformers starts them at zero, which would hide a broken
+models.py's `tiny-qwen2`: q/k/v biases drawn non-zero (transformers starts them at zero, which would hide a broken
 bias path), rope_theta 1e6, 6 query heads on 2 kv heads, tied or untied embeddings. The static engine against
 transformers' generate() (greedy), the plain path (sampled) and the training forward (log-probs, hidden states);
 what the engine still refuses, with its reason; the two-level CDF on Qwen's vocabulary (151,936, not a multiple
@@ -21,6 +21,7 @@ from helpers import REPO, check_ok, check_one_error_line, cli, command, run_here
 
 import checkpoint
 import engine
+import models
 import runtime
 from critics import HEAD_WIDTHS, build_critic
 
@@ -29,7 +30,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def tok():
-    return runtime.load_tokenizer(runtime.TINY_MODEL)
+    return models.load_tokenizer(models.TINY_MODEL)
 
 
 def tiny_qwen2(tok, tied: bool, seed: int = 0) -> torch.nn.Module:
@@ -37,8 +38,8 @@ def tiny_qwen2(tok, tied: bool, seed: int = 0) -> torch.nn.Module:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(runtime.tiny_config(tok, "qwen2", tied))
-        runtime.randomise_biases(model)
+        model = AutoModelForCausalLM.from_config(models.tiny_config(tok, "qwen2", tied))
+        models.randomise_biases(model)
     return model.eval()
 
 
@@ -156,7 +157,7 @@ def test_the_engine_sees_new_qwen2_biases(tok):
 def _variant(tok, family: str, **overrides) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    cfg = runtime.tiny_config(tok, family)
+    cfg = models.tiny_config(tok, family)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     if "use_sliding_window" in overrides:  # layer_types follow the sliding-window settings
@@ -273,7 +274,7 @@ def test_a_qwen2_checkpoint_round_trips_tied_or_untied(tok, tied, tmp_path):
     lm(input_ids=torch.randint(3, 5000, (2, 7))).logits.sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    args = {"model": runtime.TINY_QWEN2, "run_dir": str(tmp_path)}
+    args = {"model": models.TINY_QWEN2, "run_dir": str(tmp_path)}
     kw = dict(optimizer=opt, scheduler=sched, args=args)
     checkpoint.save_checkpoint(tmp_path, policy=lm, tokenizer=tok, critic=None, state={"counters": {"step": 1}}, **kw)
     fresh = tiny_qwen2(tok, tied, seed=4)
@@ -292,15 +293,15 @@ def test_a_qwen2_checkpoint_round_trips_tied_or_untied(tok, tied, tmp_path):
 
 
 def test_the_memory_check_reads_qwen2_and_refuses_a_batch_too_big(monkeypatch):
-    monkeypatch.setattr(runtime, "device_memory_bytes", lambda device: 2**30)
-    runtime.check_generation_memory(runtime.TINY_QWEN2, CPU, {"--batch-size": (64, 256)})
+    monkeypatch.setattr(models, "device_memory_bytes", lambda device: 2**30)
+    models.check_generation_memory(models.TINY_QWEN2, CPU, {"--batch-size": (64, 256)})
     with pytest.raises(runtime.UserError, match="--batch-size"):
-        runtime.check_generation_memory(runtime.TINY_QWEN2, CPU, {"--batch-size": (4096, 256)})
+        models.check_generation_memory(models.TINY_QWEN2, CPU, {"--batch-size": (4096, 256)})
 
 
 def test_ppo_with_a_full_critic_trains_tiny_qwen2_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    flags = dict(model=runtime.TINY_QWEN2, task="toy", critic="full", lr=1e-3, total_steps=1)
+    flags = dict(model=models.TINY_QWEN2, task="toy", critic="full", lr=1e-3, total_steps=1)
     check_ok(run_here("ppo.py", cli(run_dir, **flags)))
     ckpt = run_dir / checkpoint.CHECKPOINT
     checkpoint.verify_checkpoint(ckpt)
@@ -313,12 +314,12 @@ def test_ppo_with_a_full_critic_trains_tiny_qwen2_and_resumes(tmp_path):
 
 
 def test_short_names_are_their_hub_ids():
-    assert runtime.resolve_model("qwen2.5-0.5b") == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert runtime.resolve_model("qwen2.5-1.5b") == "Qwen/Qwen2.5-1.5B-Instruct"
-    assert runtime.resolve_model("smollm2-360m") == "HuggingFaceTB/SmolLM2-360M-Instruct"
-    assert runtime.resolve_model("smollm2-1.7b") == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
+    assert models.resolve_model("qwen2.5-0.5b") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert models.resolve_model("qwen2.5-1.5b") == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert models.resolve_model("smollm2-360m") == "HuggingFaceTB/SmolLM2-360M-Instruct"
+    assert models.resolve_model("smollm2-1.7b") == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
     with pytest.raises(runtime.UserError, match="qwen2.5-0.5b"):
-        runtime.resolve_model("qwen-tiny")
+        models.resolve_model("qwen-tiny")
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
@@ -326,8 +327,8 @@ def test_the_study_runs_qwen25_05b_and_the_cpu_preset_the_packaged_model(script)
     import importlib
 
     module = importlib.import_module(script.removesuffix(".py"))
-    assert module.Args().model == runtime.STUDY_MODEL == "qwen2.5-0.5b"
-    assert module.Args(**module.CPU_SCALE).model == runtime.PACKAGED_MODEL
+    assert module.Args().model == models.STUDY_MODEL == "qwen2.5-0.5b"
+    assert module.Args(**module.CPU_SCALE).model == models.PACKAGED_MODEL
 
 
 def test_a_model_that_cannot_be_fetched_is_one_line_before_anything_is_written(tmp_path):

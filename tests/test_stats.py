@@ -167,10 +167,10 @@ def test_ratio_interval_is_centred_on_the_pooled_ratio_and_never_certain():
 
 
 def _measure(penalty=None) -> dict:
-    import runtime
+    import models
 
-    tok = runtime.load_tokenizer("tiny")
-    model = runtime.load_model("tiny", tok, 0)
+    tok = models.load_tokenizer("tiny")
+    model = models.load_model("tiny", tok, 0)
     T, R = 6, 4
     responses = [[9, 10, 11, 12, 13, 14][: 3 + i] for i in range(R)]
     out, _ = common.monte_carlo(

