@@ -720,7 +720,8 @@ class MetricsLogger:
         after it (and a half-written last line) are moved to metrics.jsonl.discarded-TIME, as the resumed run
         logs them again: with resume_rows, every row after the first resume_rows (a final evaluation's row at
         the checkpoint's own step among them); without, the rows of later steps.
-        first_row: fields added to the first row this process logs (the trainers: engine.rollout_record).
+        first_row: fields added to metrics.jsonl's first row (the trainers: engine.rollout_record; a resumed
+        process's own backend is in results.json).
         track: the trainer's args (W&B only with --track: start_tracking)."""
         self.enabled = enabled
         self.first_row = first_row
@@ -758,8 +759,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        if self.first_row is not None:
-            row.update(self.first_row())
+        if self.first_row is not None:  # metrics.jsonl's first line only: a resume's rows match a straight run's
+            if self.rows == 0:
+                row.update(self.first_row())
             self.first_row = None
         with named_path(self.path), open(self.path, "a", opener=open_nofollow) as f:
             f.write(json.dumps(row) + "\n")
