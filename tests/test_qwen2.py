@@ -265,6 +265,13 @@ def test_full_critic_copies_the_qwen2_trunk_with_its_biases(tok):
     assert values.shape == (2, 5) and values.abs().sum() > 0
 
 
+
+# what a trainer's checkpoint holds, every field load_checkpoint checks (checkpoint._check_state)
+FULL_STATE = {
+    "counters": {"step": 1, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0},
+    "sampler": {"epoch": 0, "pos": 0},
+}
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_qwen2_checkpoint_round_trips_tied_or_untied(tok, tied, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -276,7 +283,7 @@ def test_a_qwen2_checkpoint_round_trips_tied_or_untied(tok, tied, tmp_path):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     args = {"model": models.TINY_QWEN2, "run_dir": str(tmp_path)}
     kw = dict(optimizer=opt, scheduler=sched, args=args)
-    checkpoint.save_checkpoint(tmp_path, policy=lm, tokenizer=tok, critic=None, state={"counters": {"step": 1}}, **kw)
+    checkpoint.save_checkpoint(tmp_path, policy=lm, tokenizer=tok, critic=None, state=FULL_STATE, **kw)
     fresh = tiny_qwen2(tok, tied, seed=4)
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
