@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import check_ok, cli, read_metrics, run_here, run_trainer
 
+import checkpoint
 import runtime
 
 RUN = dict(task="toy", critic="small", total_steps=2, lr=1e-3)
@@ -38,5 +39,5 @@ def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, 
                  os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), set(runtime._NOTICES))  # fmt: skip
         assert after[0] == before[0] and after[1] == before[1] and torch.equal(after[2], before[2])
         assert after[3:] == before[3:]
-        assert runtime._RUN_LOCK is None
+        assert checkpoint._RUN_LOCK is None
         assert untimed(tmp_path / name) == untimed(fresh), f"run {name} in this process differs from a fresh one"
