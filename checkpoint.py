@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import links
 import runtime
 from runtime import (
     NonFiniteError,
@@ -698,21 +699,19 @@ def refuse_links(folder: Path, what: str = "--run-dir") -> None:
     must not make a run write (or read) a file elsewhere by following one. Refused in one line, before anything
     is written. The folders above it may be links (runs/ on a scratch disk)."""
     folder = Path(folder)
-    if folder.is_symlink():
+    found = links.first_link(folder)
+    if found is None:
+        return
+    link, target = found
+    if link == folder:
         raise UserError(
-            f"{what} {folder} is a symbolic link (to {os.readlink(folder)}); a run never follows one: "
+            f"{what} {folder} is a symbolic link (to {target}); a run never follows one: "
             "pass the folder it points to, or another; nothing was written"
         )
-    if not folder.is_dir():
-        return
-    for root, dirs, files in os.walk(folder):  # never follows a link: it lists one as a name
-        for name in dirs + files:
-            p = Path(root) / name
-            if p.is_symlink():
-                raise UserError(
-                    f"{folder} holds a symbolic link, {p.relative_to(folder)} -> {os.readlink(p)}; a run never "
-                    "follows one: remove it (or choose another folder); nothing was written"
-                )
+    raise UserError(
+        f"{folder} holds a symbolic link, {link.relative_to(folder)} -> {target}; a run never "
+        "follows one: remove it (or choose another folder); nothing was written"
+    )
 
 
 def _after_stop() -> str:

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import links
+
 REPO = Path(__file__).resolve().parent
 PYTHON = os.environ.get("PYTHON") or sys.executable
 LAUNCHERS = ("seq", "gpus", "torchrun", "slurm")
@@ -430,20 +432,20 @@ def describe_holder(text: str) -> str:
 
 def refuse_links(out: Path) -> None:
     """The sweep's folder, and everything in it, is never a symbolic link (as checkpoint.refuse_links for a run
-    folder; repeated here because this module imports no torch before its options are good)."""
-    if out.is_symlink():
+    folder; links.first_link finds it for both, without torch)."""
+    found = links.first_link(out)
+    if found is None:
+        return
+    link, target = found
+    if link == out:
         raise UsageError(
-            f"--out {out} is a symbolic link (to {os.readlink(out)}); a sweep never follows one: "
+            f"--out {out} is a symbolic link (to {target}); a sweep never follows one: "
             "pass the folder it points to; nothing was written"
         )
-    for root, dirs, files in os.walk(out):  # never follows a link: it lists one as a name
-        for name in dirs + files:
-            p = Path(root) / name
-            if p.is_symlink():
-                raise UsageError(
-                    f"{out} holds a symbolic link, {p.relative_to(out)} -> {os.readlink(p)}; a sweep never "
-                    "follows one: remove it; nothing was written"
-                )
+    raise UsageError(
+        f"{out} holds a symbolic link, {link.relative_to(out)} -> {target}; a sweep never "
+        "follows one: remove it; nothing was written"
+    )
 
 
 def take_lock(path: Path) -> int:
