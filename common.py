@@ -774,8 +774,12 @@ def mc_values(
     per = -(-n // max(1, buckets)) if n else 1
     returns = torch.zeros(n, k, dtype=torch.float64)
     used_total = generated = 0
-    for b0 in range(0, n, per):
-        states = order[b0 : b0 + per]
+    batches = [order[b0 : b0 + per] for b0 in range(0, n, per)]
+    for b in range(max(1, buckets)):  # as many passes on every rank: stop_point is a collective under torchrun
+        runtime.stop_point()
+        if b >= len(batches):
+            continue
+        states = batches[b]
         rows = [i * k + j for i in states for j in range(k)]  # rows of the uniform table, k per state
         ro = engine.generate(
             model,
@@ -1223,7 +1227,11 @@ def evaluate(
     samples, per_problem = [], []
     t0 = time.time()
     bar = tqdm(total=len(mine), desc=desc, leave=False, disable=not show_progress or rank != 0)
-    for i in range(0, len(mine), batch_size):
+    most = -(-len(problems) // world)  # rank 0's share, the largest: every rank passes as many stop points
+    for i in range(0, max(most, 1), batch_size):
+        runtime.stop_point()  # under torchrun a collective: a signal that reached one rank stops them all here
+        if i >= len(mine):
+            continue
         batch = [problems[j] for j in mine[i : i + batch_size]]
         prompts = [encode_prompt(tokenizer, p.question, prompt_format) for p in batch]
         ro = engine.generate(

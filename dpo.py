@@ -367,6 +367,7 @@ def main() -> None:
             bar = tqdm(total=len(offline), desc="offline pairs", disable=not (dist_.main and args.progress))
             with runtime.stoppable("the offline pair sampling"):  # a stop signal: at once, nothing saved
                 for start in range(0, len(offline), chunk):
+                    runtime.stop_point()  # every rank passes it once a chunk: under torchrun they stop together
                     part = offline[start : start + chunk]
                     per = -(-len(part) // world)  # the last chunk may leave a rank fewer prompts, or none
                     mine = part[dist_.rank * per : (dist_.rank + 1) * per]

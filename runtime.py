@@ -386,7 +386,8 @@ class StopSignal:
 
     Under torchrun a signal may reach one rank only: `should_stop()` all-reduces the flag so that every rank
     stops after the same step and no rank waits alone in a collective. Outside the step (an evaluation, the
-    Monte Carlo measurement, DPO's pair sampling: see stoppable) check_stop ends a one-process run at once.
+    Monte Carlo measurement, DPO's pair sampling: see stoppable) check_stop ends a one-process run at once
+    (within a decode step), and stop_point every rank of a torchrun together (within a batch).
     """
 
     def __init__(self) -> None:
@@ -420,11 +421,23 @@ def stoppable(what: str) -> Any:
 
 def check_stop() -> None:
     """Raise Stopped if a stop signal arrived inside stoppable(...). One process only: under torchrun a signal may
-    reach one rank, leaving the others in a collective, so there the stop waits for the step's end as before."""
+    reach one rank, and a rank that left alone would leave the others in a collective; there the ranks stop
+    together at stop_point()s (and at the step's end)."""
     if not (_STOPPABLE and _STOP is not None and _STOP.flag) or world_size() > 1:
         return
     if signal.getsignal(signal.SIGTERM) == _STOP._handle:  # still the run's handler (not a finished run's)
         raise Stopped(f"stopped by {_STOP.name} during {_STOPPABLE[-1]}")
+
+
+def stop_point() -> None:
+    """check_stop at a point every rank passes the same number of times (a batch of an evaluation or of the Monte
+    Carlo measurement, a chunk of DPO's pair sampling): under torchrun the flag is all-reduced there (one tiny
+    all-reduce), so a signal that reached one rank stops every rank at the same point, within one batch."""
+    if world_size() <= 1:
+        check_stop()
+    elif _STOPPABLE and _STOP is not None and not all_ok(not _STOP.flag):  # every rank takes the same branch
+        who = _STOP.name if _STOP.flag else "a signal on another rank"
+        raise Stopped(f"stopped by {who} during {_STOPPABLE[-1]}")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -270,7 +270,9 @@ def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
         one = ppo_single
         proc = torchrun(script, flags(two, data_dir, **extra))
     else:
-        single, proc = beside(torchrun_cmd(script, flags(two, data_dir, **extra)), script, flags(one, data_dir, **extra))
+        single, proc = beside(
+            torchrun_cmd(script, flags(two, data_dir, **extra)), script, flags(one, data_dir, **extra)
+        )
         check_ok(single)
     check_ok(proc)
     assert proc.stdout.count("test accuracy") == 1, "rank 0 alone reports"
@@ -347,6 +349,61 @@ def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, d
     assert json.loads((split / "results.json").read_text())["steps"] == 4
 
 
+# A signal outside the step: during the final evaluation, during the Monte Carlo measurement. The signal reaches
+# rank 1 only (tests/signal_at/sitecustomize.py sends it at the Nth call of the function, on that rank); every
+# rank stops at the next batch (runtime.stop_point, a collective) rather than at the end of the run, and a resume
+# on one rank redoes only what is missing: the same rows and results as a straight run.
+SIGNAL_AT = Path(__file__).parent / "signal_at"
+STOP_RUNS = {  # 4 test batches a rank (3 left after the first); offline DPO samples its pairs in 2 chunks
+    "ppo.py": dict(RUNS["ppo"][1], test_size=16, eval_batch_size=2, save_every=1),
+    "dpo.py": dict(RUNS["dpo-offline"][1], eval_batch_size=2, save_every=1),
+}
+
+
+@pytest.mark.parametrize(
+    "script, at, during",
+    [
+        ("ppo.py", "common.evaluate:2", "an evaluation"),  # the final validation is call 1 (--eval-every 0), the test 2
+        ("ppo.py", "common.mc_values:2", "the Monte Carlo measurement"),  # at step 2 (--mc-every 1), before its update
+        ("dpo.py", "engine.generate:1", "the offline pair sampling"),  # the first chunk's rollouts
+    ],
+)
+def test_a_signal_to_one_rank_outside_the_step_stops_every_rank_at_once(tmp_path, data_dir, script, at, during):
+    straight, split, log = tmp_path / "straight", tmp_path / "split", tmp_path / "signal.log"
+    inject = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SIGNAL_AT), os.environ.get("PYTHONPATH")])),
+        "RLVR_SIGNAL_AT": at,
+        "RLVR_SIGNAL_RANK": "1",
+        "RLVR_SIGNAL_LOG": str(log),
+    }
+    background = start(torchrun_cmd(script, flags(split, data_dir, **STOP_RUNS[script])), inject)
+    try:
+        check_ok(one_process(script, flags(straight, data_dir, **STOP_RUNS[script])))
+    finally:
+        proc = finish(background)
+    check_ok(proc)
+    times = dict(line.split() for line in log.read_text().splitlines())  # rank 1's signal and exit
+    assert float(times["exit"]) - float(times["signal"]) < 30, "rank 1 did not stop within seconds"
+    assert f"stopped by a signal on another rank during {during}" in proc.stdout, proc.stdout[-3000:]
+    assert not (split / "results.json").exists(), "the run went on to its end after the signal"
+    if script == "dpo.py":  # the pairs come before the first checkpoint: nothing of them is kept
+        assert not (split / checkpoint.CHECKPOINT).exists() and not (split / "pairs.jsonl").exists()
+        assert "run the same command again" in proc.stdout
+    else:
+        checkpoint.verify_checkpoint(split / checkpoint.CHECKPOINT)
+
+    check_ok(one_process(script, flags(split, data_dir, **STOP_RUNS[script], resume=script != "dpo.py" or None)))
+    rows = {d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (straight, split)}
+    assert [(r["step"], sorted(r)) for r in rows[split]] == [(r["step"], sorted(r)) for r in rows[straight]], (
+        "a row logged twice or missing"
+    )
+    assert_same_curve(straight, split)
+    res_a, res_b = (json.loads((d / "results.json").read_text()) for d in (straight, split))
+    keys = ("n", "accuracy", "samples")
+    for part in ("val", "test"):
+        assert {k: res_a[part][k] for k in keys} == {k: res_b[part][k] for k in keys}, part
+
+
 # ------------------------------------------------------------------------------------------------------
 # --fsdp: FSDP2 shards, a DCP checkpoint saved on two ranks, resumed on one
 # ------------------------------------------------------------------------------------------------------
@@ -402,7 +459,9 @@ def test_fsdp_shards_qwen2_and_two_ranks_equal_one_process(tmp_path, data_dir):
     # grad_norm (528 here, random q/k/v biases) differed by 2.6e-4 relative (2026-12-02); test_fsdp_two_ranks_...
     # covers two minibatches under FSDP on Llama
     run = dict(FSDP_RUN, model=models.TINY_QWEN2, total_steps=1, num_minibatches=1)
-    for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True)), "ppo.py", flags(one, data_dir, **run)):
+    for proc in beside(
+        torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True)), "ppo.py", flags(one, data_dir, **run)
+    ):
         check_ok(proc)
     assert {p.name for p in (two / checkpoint.CHECKPOINT / "dcp").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
     assert_same_weights(one, two, model=models.TINY_QWEN2)
