@@ -34,10 +34,10 @@ def _env() -> dict:
 
 @pytest.mark.slow
 def test_run_gpu_flow_tiny_cpu_keeps_the_parts_before_one_killed_by_its_limit(tmp_path):
-    """Every part of run_gpu.sh on the CPU; part d (the trainers) is killed by a 30 s limit: the numbers of
+    """Every part of run_gpu.sh on the CPU; part d (the trainers) is killed by a 15 s limit: the numbers of
     parts a-c stay in throughput.json, parts e and f still run, and the table names the part that stopped."""
     out = tmp_path / "out"
-    env = {**_env(), "OUT": str(out), "T_D": "30"}
+    env = {**_env(), "OUT": str(out), "T_D": "15"}
     proc = subprocess.run(
         ["bash", "bench/run_gpu.sh", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=1500, env=env
     )
