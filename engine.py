@@ -548,6 +548,14 @@ def _decode_sample(
 BATCH_BUCKETS = (64, 256, 512, 1024)
 
 
+def _length_bias(slots: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The decode attention's additive mask: 0 on each row's slots [0, position], -inf after (what SDPA makes of
+    the boolean mask slot <= position, made once a step instead of in every layer's call).
+    slots [Lk] long, pos [n] -> [n, 1, 1, Lk] in dtype"""
+    valid = slots <= pos[:, None]  # [n, Lk]
+    return torch.zeros(valid.shape, dtype=dtype, device=pos.device).masked_fill_(~valid, float("-inf"))[:, None, None]
+
+
 def row_group_bounds(n: int, groups: int) -> list[int]:
     """The first row of each of `groups` contiguous row groups of n rows, and n: [0, ..., n], the groups as
     even as integers allow (n // groups or one more rows each). Depends on n and groups only, so a group's
@@ -884,15 +892,15 @@ class StaticEngine:
             return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
         return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """One query per row over its valid slots, the query heads of a kv head packed as that head's queries.
-        q [n, 1, heads, d], k/v [n, kv_heads, Lk, d], valid [n, Lk] bool -> [n, 1, heads d]"""
+        q [n, 1, heads, d], k/v [n, kv_heads, Lk, d], bias [n, 1, 1, Lk] (_length_bias) -> [n, 1, heads d]"""
         from torch.nn.attention import sdpa_kernel
 
         n = q.shape[0]
         qg = q[:, 0].unflatten(1, (self.n_kv, self.rep))  # [n, kv, rep, d]: head h reads kv head h // rep
         with sdpa_kernel(self._sdpa_backends(prefill=False)):
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=self.scale)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)
         return o.reshape(n, 1, self.n_heads * self.head_dim)
 
     def _block_mask(self, n: int) -> Any:
@@ -995,7 +1003,8 @@ class StaticEngine:
         )
         bounds = row_group_bounds(n, len(widths))
         groups = list(zip(bounds, bounds[1:], widths))  # (first row, end row, Lk) of each group
-        valid = [self.slot_ids[:Lk] <= pos[r0:r1, None] for r0, r1, Lk in groups]  # [rows, Lk]: slots [0, position]
+        # once a step, not once a layer: the additive mask SDPA would otherwise convert a boolean one into
+        bias = [_length_bias(self.slot_ids[:Lk], pos[r0:r1], self.dtype) for r0, r1, Lk in groups]
         where = pos.view(1, n, 1, 1, 1).expand(2, n, self.n_kv, 1, self.head_dim)
         mask = None
         if self._flex is not None:
@@ -1010,12 +1019,12 @@ class StaticEngine:
                 o = self._flex_decode_attention(q, cache[0], cache[1], mask)
             elif len(groups) == 1:
                 Lk = widths[0]
-                o = self._decode_attention(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], valid[0])
+                o = self._decode_attention(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], bias[0])
             else:  # each group reads its own width: the rows are sorted by length, so most read far fewer slots
                 o = torch.cat(
                     [
                         self._decode_attention(q[r0:r1], cache[0, r0:r1, :, :Lk], cache[1, r0:r1, :, :Lk], v)
-                        for (r0, r1, Lk), v in zip(groups, valid)
+                        for (r0, r1, Lk), v in zip(groups, bias)
                     ]
                 )  # [n, 1, heads d]
             x = self._post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
@@ -1154,7 +1163,7 @@ class StaticEngine:
         d, dev, dt = self.head_dim, self.device, self.dtype
         q = torch.zeros(rows, self.n_kv, self.rep, d, dtype=dt, device=dev)
         k = torch.zeros(rows, self.n_kv, Lk, d, dtype=dt, device=dev)
-        mask = torch.ones(rows, 1, 1, Lk, dtype=torch.bool, device=dev)
+        mask = torch.zeros(rows, 1, 1, Lk, dtype=dt, device=dev)  # the additive mask the decode step passes
         qp = torch.zeros(rows, self.n_heads, prompt_width, d, dtype=dt, device=dev)
         out = {}
         for name, args, causal, prefill in (

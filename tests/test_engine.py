@@ -390,7 +390,7 @@ def test_row_groups_give_the_ungrouped_tokens_in_the_callers_order(lm, tok):
     grouped = engine.StaticEngine(lm, row_groups=3, batch_multiple=3, kv_chunk=16)
     read = []  # the slots each attention call of the grouped engine reads
     attend = grouped._decode_attention
-    grouped._decode_attention = lambda q, k, v, valid: read.append(k.shape[2]) or attend(q, k, v, valid)
+    grouped._decode_attention = lambda q, k, v, bias: read.append(k.shape[2]) or attend(q, k, v, bias)
     for kw in (dict(uniforms=None), dict(uniforms=u, temperature=0.8, top_p=0.9, return_hidden=True)):
         kw = dict(max_new_tokens=T, pad_id=pad, **kw)
         eos = int(engine.StaticEngine(lm).generate(prompts, eos_id=-1, **kw).response_ids[1, T // 3])  # row 1 ends
