@@ -557,10 +557,16 @@ def _length_bias(slots: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> 
 
 
 def row_group_bounds(n: int, groups: int) -> list[int]:
-    """The first row of each of `groups` contiguous row groups of n rows, and n: [0, ..., n], the groups as
-    even as integers allow (n // groups or one more rows each). Depends on n and groups only, so a group's
-    row count is part of the graph's shape, never of the batch's lengths."""
-    return [n * g // groups for g in range(groups + 1)]
+    """The first row of each of `groups` contiguous row groups of n rows (sorted longest first), and n:
+    [0, ..., n]. The first group holds the longest eighth (at least one row), the others split the rest as
+    evenly as integers allow: prompt lengths have a long right tail (of the first 512 GSM8K prompts, the
+    longest has 235 tokens, the 64th longest ~155, the median ~115), and a small group for the tail keeps it
+    from widening many short rows. Depends on n and groups only (1 <= groups <= n), so a group's row count is
+    part of the graph's shape, never of the batch's lengths."""
+    if groups == 1:
+        return [0, n]
+    head = max(1, min(n // 8, n - groups + 1))  # leaves a row or more for each other group
+    return [0] + [head + (n - head) * g // (groups - 1) for g in range(groups)]
 
 
 def group_widths(lengths: Sequence[int], groups: int, t: int, kv_chunk: int, cap: int) -> tuple[int, ...]:
@@ -611,21 +617,22 @@ class StaticEngine:
     - KV cache: [layers, 2 (k, v), rows, kv_heads, slots, head_dim], left-aligned: slot = position, so each
       row's valid slots are [0, its length), contiguous. Response token t of a row with a prompt of length p
       goes to slot p + t.
-    - Decode attention, in row groups. With more than one group (groups_for: 4 on a GPU from 256 rows, 1 on
+    - Decode attention, in row groups. With more than one group (groups_for: 2 on a GPU from 256 rows, 1 on
       the CPU unless row_groups says), the engine's rows are the prompts sorted longest first (prompts and
       their uniforms permuted on the way in, every output put back in the caller's order), split into
-      contiguous groups of equal size (row_group_bounds); each group's attention reads the first Lk_g slots,
-      Lk_g its own longest row's length rounded up to kv_chunk (group_widths), with a per-row length mask
-      (slot <= position), the query heads of a kv head packed together (grouped-query attention without
-      repeating the cache). At 512 GSM8K rows x 256 tokens, 4 groups read ~3.6 GB of KV a step instead of 4.7
-      (bench/throughput.py's decode_floor). A row's tokens still depend only on its own prompt and uniforms.
+      contiguous groups (row_group_bounds: the longest eighth, then the rest evenly); each group's attention
+      reads the first Lk_g slots, Lk_g its own longest row's length rounded up to kv_chunk (group_widths),
+      with a per-row additive length mask (slot <= position) built once a step, the query heads of a kv head
+      packed together (grouped-query attention without repeating the cache). At 512 GSM8K rows x 256 tokens,
+      2 groups read 3.72 GB of KV a step instead of 4.66 (bench/throughput.py's decode_floor). A row's tokens
+      still depend only on its own prompt and uniforms (on the CPU in fp32 they are bitwise the ungrouped ones).
     - One graph per (rows, group widths, sampler settings): the prompt width does not enter the decode step,
       so prompt buckets 192 and 256 share their graphs. A group's width steps up at most ceil((T - 1) /
       kv_chunk) times in a call of T tokens, so a call needs at most 1 + groups x ceil((T - 1) / kv_chunk)
-      graphs (5 with one group at T = 256, 17 with 4; 29 over ten GSM8K batches of 512), and an engine at most
-      the non-increasing tuples of groups widths out of max_l / kv_chunk, C(max_l / kv_chunk + groups - 1,
-      groups) per (rows, settings). The widths enter no compiled piece: a new tuple costs a capture, not a
-      compile.
+      graphs (5 with one group at T = 256 and kv_chunk 64, 9 with two; 18 over ten GSM8K batches of 512 with
+      two), and an engine at most as many as there are non-increasing tuples of `groups` widths out of the
+      W = max_l / kv_chunk widths, C(W + groups - 1, groups) per (rows, settings) (36 for W = 8 and two
+      groups). The widths enter no compiled piece: a new tuple costs a capture, not a compile.
     - Buffers are sized for the largest shape seen or reserved (reserve()): rows rounded to BATCH_BUCKETS on
       a GPU, slots to 256, steps to 64. Growing them releases every graph and takes a new graph pool (the
       old pool may still hold the cuBLAS workspace of the first capture: capturing into it again trips the
@@ -685,7 +692,7 @@ class StaticEngine:
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be sdpa or flex, not {attention!r}")
         self.attention = attention
-        self.row_groups = row_groups  # None: groups_for's rule (4 on a GPU from 256 rows, 1 on the CPU)
+        self.row_groups = row_groups  # None: groups_for's rule (2 on a GPU from 256 rows, 1 on the CPU)
         self._flex: Callable | None = None
         self._flex_compiled = False
         if attention == "flex":  # compiled on a GPU (the eager flex_attention is a slow reference)
@@ -1034,14 +1041,15 @@ class StaticEngine:
     # ---- graphs --------------------------------------------------------------------------------------
 
     def groups_for(self, n: int) -> int:
-        """The row groups a batch of n rows decodes in: row_groups when given, else 4 on a GPU from 256 rows
-        (2 from 128, 3 from 192), 1 below and on the CPU; never more than n; 1 with flex attention (its block
-        mask already bounds each row)."""
+        """The row groups a batch of n rows decodes in: row_groups when given, else 2 on a GPU from 256 rows
+        and 1 below and on the CPU; never more than n; 1 with flex attention (its block mask already bounds
+        each row). Why 2: each group adds an attention call a layer (30 kernels a step for SmolLM2-135M), and
+        at 512 GSM8K rows 2 groups (64 + 448 rows) read 3.72 GB of KV a step, 4 groups 3.51 GB, 1 group 4.66
+        (docs/throughput.md)."""
         if self._flex is not None:
             return 1
-        groups = (
-            self.row_groups if self.row_groups is not None else (min(4, n // 64) if self.device.type == "cuda" else 1)
-        )
+        cuda = self.device.type == "cuda"
+        groups = self.row_groups if self.row_groups is not None else (2 if cuda and n >= 256 else 1)
         return max(1, min(groups, n))
 
     def _widths(self, lengths: Sequence[int], T: int, groups: int) -> list[tuple[int, ...]]:

@@ -363,12 +363,18 @@ def test_flex_attention_decode_reads_the_same_tokens(lm, tok):
 def test_group_widths_cover_each_groups_longest_row():
     """group_widths: each group reads its own longest row's slots [0, position] (prompt + t + 1) rounded up to
     kv_chunk, capped at the cache's slots; the groups are contiguous and as even as integers allow."""
-    assert engine.row_group_bounds(10, 3) == [0, 3, 6, 10] and engine.row_group_bounds(8, 1) == [0, 8]
+    assert engine.row_group_bounds(512, 2) == [0, 64, 512] and engine.row_group_bounds(8, 1) == [0, 8]
+    assert engine.row_group_bounds(10, 3) == [0, 1, 5, 10]  # the longest eighth (at least a row), then even
+    for n in range(1, 40):
+        for groups in range(1, n + 1):
+            bounds = engine.row_group_bounds(n, groups)
+            assert len(bounds) == groups + 1 and bounds[0] == 0 and bounds[-1] == n
+            assert all(a < b for a, b in zip(bounds, bounds[1:])), (n, groups, bounds)  # no empty group
     lengths = [250, 90, 64, 17, 9, 5, 3, 1]  # longest first, as the engine orders the rows of a grouped call
     assert engine.group_widths(lengths, 1, 0, 64, 4096) == (256,)  # one group: the longest row's width
-    assert engine.group_widths(lengths, 4, 0, 16, 4096) == (256, 80, 16, 16)
-    assert engine.group_widths(lengths, 4, 7, 16, 4096) == (272, 80, 32, 16)
-    assert engine.group_widths(lengths, 4, 7, 16, 264) == (264, 80, 32, 16)  # capped
+    assert engine.group_widths(lengths, 4, 0, 16, 4096) == (256, 96, 32, 16)  # [250], [90, 64], [17, 9], [5, 3, 1]
+    assert engine.group_widths(lengths, 4, 7, 16, 4096) == (272, 112, 32, 16)
+    assert engine.group_widths(lengths, 4, 7, 16, 264) == (264, 112, 32, 16)  # capped
     g = torch.Generator().manual_seed(0)
     for groups in (1, 2, 3, 5, 8):
         lens = torch.randint(1, 300, (8,), generator=g).tolist()  # any order: the longest of each group counts
@@ -402,4 +408,5 @@ def test_row_groups_give_the_ungrouped_tokens_in_the_callers_order(lm, tok):
             a, b = getattr(got, name), getattr(ref, name)
             assert (a is None and b is None) or torch.equal(a, b), name
     assert grouped.groups_for(9) == 3 and engine.StaticEngine(lm).groups_for(512) == 1  # the CPU: 1 unless asked
+    assert engine.StaticEngine(lm, attention="flex", row_groups=3).groups_for(9) == 1  # flex bounds each row
     assert min(read) == 16 and max(read) == 224, (min(read), max(read))  # the short rows read 16 slots, not 224
