@@ -190,8 +190,12 @@ def test_the_head_sampler_and_bookkeeping_compile_and_give_the_eager_tokens(lm, 
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
         if got.hidden is not None:
             torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=0)
+    greedy = dict(max_new_tokens=8, eos_id=-1, pad_id=pad)  # no uniforms: argmax
+    got, want = eng.generate(prompts, **greedy), engine.StaticEngine(lm).generate(prompts, **greedy)
+    assert torch.equal(got.response_ids, want.response_ids)
     sampler = [g for g in graphs if "log_softmax" in g and "index_copy" in g and "searchsorted" in g]
     assert len(sampler) == 2, f"{len(sampler)} sampler graphs of {len(graphs)}"  # one per sampler setting
+    assert any("argmax" in g and "index_copy" in g and "searchsorted" not in g for g in graphs)  # greedy
     assert eng.compile and eng.fallbacks == []
 
 

@@ -308,9 +308,9 @@ def test_guard_catches_a_sync():
         torch.ones(3)[torch.ones(3) > 0]
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_decode_step_never_syncs_with_the_host(lm, tok, sampled):
-    eng = engine.StaticEngine(lm, check_every=1000)  # the finished-check is the one sync, outside the step
+@pytest.mark.parametrize("sampled,groups", [(False, 1), (True, 1), (True, 2)])
+def test_decode_step_never_syncs_with_the_host(lm, tok, sampled, groups):
+    eng = engine.StaticEngine(lm, check_every=1000, row_groups=groups)  # the finished-check: the one sync, outside
     calls = []
     step = eng._decode_step
 
