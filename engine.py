@@ -2,8 +2,9 @@
 training forward that gives per-token log-probs of given tokens.
 
 Holds: the rollout record, left padding, the per-row uniforms that make sampling independent of the batch, the
-sampler, generate(), the static engine and its Llama/Qwen2 layer functions, decoding, and the training forward
-(PolicyForward, chunked log-probs, padding trim, length-sorted micro-batches).
+sampler, generate(), the static engine (its Llama/Qwen2 layer functions, the decode step's head-and-sampler
+piece, the row groups that bound its KV reads), decoding, and the training forward (PolicyForward, chunked
+log-probs, padding trim, length-sorted micro-batches).
 Does not hold: anything about GSM8K, prompts or rewards (common.py), nor loading (models.py), distributed setup or
 checkpoints (runtime.py). It works on token ids and tensors only.
 """
@@ -560,7 +561,7 @@ def row_group_bounds(n: int, groups: int) -> list[int]:
     """The first row of each of `groups` contiguous row groups of n rows (sorted longest first), and n:
     [0, ..., n]. The first group holds the longest eighth (at least one row), the others split the rest as
     evenly as integers allow: prompt lengths have a long right tail (of the first 512 GSM8K prompts, the
-    longest has 235 tokens, the 64th longest ~155, the median ~115), and a small group for the tail keeps it
+    longest has 235 tokens, the 64th longest 144, the median 117), and a small group for the tail keeps it
     from widening many short rows. Depends on n and groups only (1 <= groups <= n), so a group's row count is
     part of the graph's shape, never of the batch's lengths."""
     if groups == 1:
@@ -1010,8 +1011,9 @@ class StaticEngine:
         )
         bounds = row_group_bounds(n, len(widths))
         groups = list(zip(bounds, bounds[1:], widths))  # (first row, end row, Lk) of each group
-        # once a step, not once a layer: the additive mask SDPA would otherwise convert a boolean one into
-        bias = [_length_bias(self.slot_ids[:Lk], pos[r0:r1], self.dtype) for r0, r1, Lk in groups]
+        # SDPA's additive masks, once a step (a boolean mask would be converted in every layer's call); flex: none
+        sdpa = self._flex is None
+        bias = [_length_bias(self.slot_ids[:Lk], pos[r0:r1], self.dtype) for r0, r1, Lk in groups if sdpa]
         where = pos.view(1, n, 1, 1, 1).expand(2, n, self.n_kv, 1, self.head_dim)
         mask = None
         if self._flex is not None:
@@ -1043,9 +1045,9 @@ class StaticEngine:
     def groups_for(self, n: int) -> int:
         """The row groups a batch of n rows decodes in: row_groups when given, else 2 on a GPU from 256 rows
         and 1 below and on the CPU; never more than n; 1 with flex attention (its block mask already bounds
-        each row). Why 2: each group adds an attention call a layer (30 kernels a step for SmolLM2-135M), and
-        at 512 GSM8K rows 2 groups (64 + 448 rows) read 3.72 GB of KV a step, 4 groups 3.51 GB, 1 group 4.66
-        (docs/throughput.md)."""
+        each row). Why 2: a second group adds an attention call and a concatenation a layer (64 eager ops a step
+        for SmolLM2-135M; each further group 34), and at 512 GSM8K rows 2 groups (64 + 448 rows) read 3.72 GB
+        of KV a step, 4 groups 3.51 GB, 1 group 4.66 (arithmetic: docs/throughput.md)."""
         if self._flex is not None:
             return 1
         cuda = self.device.type == "cuda"
