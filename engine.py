@@ -2,8 +2,9 @@
 training forward that gives per-token log-probs of given tokens.
 
 Holds: the rollout record, left padding, the per-row uniforms that make sampling independent of the batch, the
-sampler, generate(), the static engine and its Llama/Qwen2 layer functions, decoding, and the training forward
-(PolicyForward, chunked log-probs, padding trim, length-sorted micro-batches).
+sampler, generate(), the static engine (its Llama/Qwen2 layer functions, the decode step's head-and-sampler
+piece, the row groups that bound its KV reads), decoding, and the training forward (PolicyForward, chunked
+log-probs, padding trim, length-sorted micro-batches).
 Does not hold: anything about GSM8K, prompts or rewards (common.py), nor loading (models.py), distributed setup or
 checkpoints (runtime.py). It works on token ids and tensors only.
 """
@@ -491,7 +492,92 @@ def sample_tokens_fp32(
     return token, logp.gather(-1, token[:, None])[:, 0], short
 
 
+def _rope_at(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin fp32 [n, S, 1, head_dim] at positions [n, S], as transformers' rotary embedding computes them."""
+    freqs = pos[..., None].float() * inv_freq  # [n, S, d / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale)[:, :, None], (emb.sin() * scale)[:, :, None]
+
+
+def _decode_sample(
+    h: torch.Tensor,
+    head: torch.Tensor,
+    embed: torch.Tensor,
+    u_table: torch.Tensor | None,
+    t: torch.Tensor,
+    pos0: torch.Tensor,
+    fin: torch.Tensor,
+    out_tokens: torch.Tensor,
+    out_logp: torch.Tensor,
+    out_mask: torch.Tensor,
+    out_hidden: torch.Tensor | None,
+    short_rows: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    eos_id: int,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode step outside the layers, as one function (StaticEngine compiles it like the layer pieces): the
+    LM head, sample_tokens_fp32, the step's bookkeeping, and the next input (the token's embedding and RoPE).
+    h fp32 [n, H] (the state s_t), head [V, H] in the compute dtype, embed fp32 [V, H], u_table fp32 [n, T] or
+    None (greedy), t [1] long (the step, on the device), pos0 [n] (prompt lengths), fin [n] bool
+    -> x fp32 [n, 1, H], cos and sin fp32 [n, 1, 1, d], pos [n] (the slot the token enters at).
+
+    Written in place: out_hidden[:, t] (when given), out_tokens / out_logp / out_mask [:, t] (pad, 0 and 0 on
+    rows already finished), fin (|= the token is EOS), short_rows [1] (+= rows the top-k prefilter cut short)."""
+    if out_hidden is not None:
+        out_hidden.index_copy_(1, t, h[:, None])
+    logits = F.linear(h, head) if head.dtype == torch.float32 else matmul_fp32_out(h.to(head.dtype), head.t())
+    u = None if u_table is None else u_table.index_select(1, t)[:, 0]  # [n]
+    token, logp, short = sample_tokens_fp32(logits, u, temperature, top_p, top_k)
+    short_rows += (short & ~fin).sum()
+    token = torch.where(fin, torch.full_like(token, pad_id), token)
+    out_tokens.index_copy_(1, t, token[:, None])
+    out_logp.index_copy_(1, t, torch.where(fin, torch.zeros_like(logp), logp)[:, None])
+    out_mask.index_copy_(1, t, (~fin).float()[:, None])
+    fin |= token == eos_id
+    # the token enters the model at slot = position = prompt length + t; its hidden state is the next state
+    pos = pos0 + t  # [n]
+    x = F.embedding(token[:, None], embed)  # fp32 [n, 1, H]
+    cos, sin = _rope_at(pos[:, None], inv_freq, rope_scale)
+    return x, cos, sin, pos
+
+
 BATCH_BUCKETS = (64, 256, 512, 1024)
+
+
+def _length_bias(slots: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The decode attention's additive mask: 0 on each row's slots [0, position], -inf after (what SDPA makes of
+    the boolean mask slot <= position, made once a step instead of in every layer's call).
+    slots [Lk] long, pos [n] -> [n, 1, 1, Lk] in dtype"""
+    valid = slots <= pos[:, None]  # [n, Lk]
+    return torch.zeros(valid.shape, dtype=dtype, device=pos.device).masked_fill_(~valid, float("-inf"))[:, None, None]
+
+
+def row_group_bounds(n: int, groups: int) -> list[int]:
+    """The first row of each of `groups` contiguous row groups of n rows (sorted longest first), and n:
+    [0, ..., n]. The first group holds the longest eighth (at least one row), the others split the rest as
+    evenly as integers allow: prompt lengths have a long right tail (of the first 512 GSM8K prompts, the
+    longest has 235 tokens, the 64th longest 144, the median 117), and a small group for the tail keeps it
+    from widening many short rows. Depends on n and groups only (1 <= groups <= n), so a group's row count is
+    part of the graph's shape, never of the batch's lengths."""
+    if groups == 1:
+        return [0, n]
+    head = max(1, min(n // 8, n - groups + 1))  # leaves a row or more for each other group
+    return [0] + [head + (n - head) * g // (groups - 1) for g in range(groups)]
+
+
+def group_widths(lengths: Sequence[int], groups: int, t: int, kv_chunk: int, cap: int) -> tuple[int, ...]:
+    """The KV slots each row group's decode attention reads at step t: its longest row's length (prompt + t + 1:
+    the slots [0, position]) rounded up to kv_chunk, at most cap.  lengths [n] (the engine's row order),
+    groups <= n -> (Lk_0, ..., Lk_{groups - 1})"""
+    b = row_group_bounds(len(lengths), groups)
+    return tuple(min(cap, _round_up(max(lengths[b[g] : b[g + 1]]) + t + 1, kv_chunk)) for g in range(groups))
+
+
 def _tokens_dynamic(*xs: torch.Tensor) -> None:
     """Mark dimension 1 (the prefill's tokens) of each tensor dynamic for torch.compile (a no-op when eager)."""
     for x in xs:
@@ -532,10 +618,22 @@ class StaticEngine:
     - KV cache: [layers, 2 (k, v), rows, kv_heads, slots, head_dim], left-aligned: slot = position, so each
       row's valid slots are [0, its length), contiguous. Response token t of a row with a prompt of length p
       goes to slot p + t.
-    - Decode attention reads the first Lk slots, Lk the longest row's length rounded up to kv_chunk, with a
-      per-row length mask (slot <= position), the query heads of a kv head packed together (grouped-query
-      attention without repeating the cache). One graph per (rows, Lk, sampler settings): the prompt width
-      does not enter the decode step, so prompt buckets 192 and 256 share their graphs.
+    - Decode attention, in row groups. With more than one group (groups_for: 2 on a GPU from 256 rows, 1 on
+      the CPU unless row_groups says), the engine's rows are the prompts sorted longest first (prompts and
+      their uniforms permuted on the way in, every output put back in the caller's order), split into
+      contiguous groups (row_group_bounds: the longest eighth, then the rest evenly); each group's attention
+      reads the first Lk_g slots, Lk_g its own longest row's length rounded up to kv_chunk (group_widths),
+      with a per-row additive length mask (slot <= position) built once a step, the query heads of a kv head
+      packed together (grouped-query attention without repeating the cache). At 512 GSM8K rows x 256 tokens,
+      2 groups read 3.72 GB of KV a step instead of 4.66 (bench/throughput.py's decode_floor). A row's tokens
+      still depend only on its own prompt and uniforms (on the CPU in fp32 they are bitwise the ungrouped ones).
+    - One graph per (rows, group widths, sampler settings): the prompt width does not enter the decode step,
+      so prompt buckets 192 and 256 share their graphs. A group's width steps up at most ceil((T - 1) /
+      kv_chunk) times in a call of T tokens, so a call needs at most 1 + groups x ceil((T - 1) / kv_chunk)
+      graphs (5 with one group at T = 256 and kv_chunk 64, 9 with two; 18 over ten GSM8K batches of 512 with
+      two), and an engine at most as many as there are non-increasing tuples of `groups` widths out of the
+      W = max_l / kv_chunk widths, C(W + groups - 1, groups) per (rows, settings) (36 for W = 8 and two
+      groups). The widths enter no compiled piece: a new tuple costs a capture, not a compile.
     - Buffers are sized for the largest shape seen or reserved (reserve()): rows rounded to BATCH_BUCKETS on
       a GPU, slots to 256, steps to 64. Growing them releases every graph and takes a new graph pool (the
       old pool may still hold the cuBLAS workspace of the first capture: capturing into it again trips the
@@ -549,7 +647,10 @@ class StaticEngine:
     - Prefill: prompts right-padded to a multiple of prompt_bucket, positions 0.., plain causal attention (the
       SDPA backend pinned: flash or memory-efficient on a GPU, never cuDNN); padding queries only write slots
       that a later token overwrites or the length mask hides. With compile=True the layer pieces of both
-      prefill and decode go through torch.compile.
+      prefill and decode go through torch.compile, and so does the rest of the decode step: _decode_sample
+      (the LM head, the sampler, the step's bookkeeping and the next token's embedding and RoPE), so that on a
+      GPU those fuse instead of launching dozens of small kernels. A failure of any compiled piece falls back
+      to eager for all of them (engine.fallbacks says why).
     - Sampling: sample_tokens_fp32 (fp32, two-level CDF, top-k prefilter before top-p), the LM head in the
       compute dtype with fp32 output (matmul_fp32_out), as the training forward's _TokenLogProbs.
     """
@@ -570,6 +671,7 @@ class StaticEngine:
         check_every: int | None = None,
         top_k: int | None = None,
         attention: str = "sdpa",
+        row_groups: int | None = None,
     ) -> None:
         reason = static_engine_unsupported(lm)
         if reason is not None:
@@ -591,6 +693,7 @@ class StaticEngine:
         if attention not in ("sdpa", "flex"):
             raise ValueError(f"attention must be sdpa or flex, not {attention!r}")
         self.attention = attention
+        self.row_groups = row_groups  # None: groups_for's rule (2 on a GPU from 256 rows, 1 on the CPU)
         self._flex: Callable | None = None
         self._flex_compiled = False
         if attention == "flex":  # compiled on a GPU (the eager flex_attention is a slow reference)
@@ -634,9 +737,11 @@ class StaticEngine:
 
         self.max_b = self.max_l = self.max_t = 0
         self.with_hidden = False
-        self.graphs: dict[tuple, Callable] = {}  # (rows, Lk, sampler settings, hidden) -> graph.replay
+        self.graphs: dict[tuple, Callable] = {}  # (rows, group widths, sampler settings, hidden) -> graph.replay
         self.pool: Any = None  # the graph pool of self.graphs; a new one after every release
         self.short_rows = torch.zeros(1, dtype=torch.long, device=dev)  # rows the top-k prefilter cut short
+        if dt != f32:  # matmul_fp32_out's probe runs here, eagerly: the compiled _decode_sample never traces it
+            matmul_fp32_out(torch.zeros(1, 8, dtype=dt, device=dev), torch.zeros(8, 1, dtype=dt, device=dev))
         self._set_layer_fns(self.compile)
         self.compile_seconds = 0.0  # time spent in warm-up and capture (compilation included), for benchmarks
         self.captures = 0
@@ -710,15 +815,18 @@ class StaticEngine:
         return None if self.qkv_b is None else self.qkv_b[i]
 
     def _set_layer_fns(self, compile: bool) -> None:
-        """The layer pieces of decode (static shapes) and prefill (dynamic), compiled or eager."""
+        """The layer pieces of decode (static shapes) and prefill (dynamic), and the decode step's head, sampler
+        and bookkeeping (_decode_sample, static), compiled or eager."""
         self._prefill_compiled = compile
         if not compile:
             self._pre = self._prefill_pre = _llama_pre_attention
             self._post = self._prefill_post = _llama_post_attention
+            self._sample = _decode_sample
             return
         be = self.compile_backend
         self._pre = torch.compile(_llama_pre_attention, dynamic=False, backend=be)
         self._post = torch.compile(_llama_post_attention, dynamic=False, backend=be)
+        self._sample = torch.compile(_decode_sample, dynamic=False, backend=be)
         # prefill: only the token count is dynamic (marked in _prefill); the weights' sizes stay static
         self._prefill_pre = torch.compile(_prefill_pre_attention, dynamic=None, backend=be)
         self._prefill_post = torch.compile(_prefill_post_attention, dynamic=None, backend=be)
@@ -778,10 +886,8 @@ class StaticEngine:
     # ---- the model -----------------------------------------------------------------------------------
 
     def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin fp32 [n, S, 1, head_dim] at positions [n, S], as transformers' rotary embedding computes them."""
-        freqs = pos[..., None].float() * self.inv_freq  # [n, S, d / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.rope_scale)[:, :, None], (emb.sin() * self.rope_scale)[:, :, None]
+        """cos, sin fp32 [n, S, 1, head_dim] at positions [n, S] (_rope_at with this model's frequencies)."""
+        return _rope_at(pos, self.inv_freq, self.rope_scale)
 
     def _sdpa_backends(self, prefill: bool) -> list:
         """The SDPA kernels allowed: prefill (causal, no mask) flash then memory-efficient; decode (a length
@@ -794,15 +900,15 @@ class StaticEngine:
             return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
         return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """One query per row over its valid slots, the query heads of a kv head packed as that head's queries.
-        q [n, 1, heads, d], k/v [n, kv_heads, Lk, d], valid [n, Lk] bool -> [n, 1, heads d]"""
+        q [n, 1, heads, d], k/v [n, kv_heads, Lk, d], bias [n, 1, 1, Lk] (_length_bias) -> [n, 1, heads d]"""
         from torch.nn.attention import sdpa_kernel
 
         n = q.shape[0]
         qg = q[:, 0].unflatten(1, (self.n_kv, self.rep))  # [n, kv, rep, d]: head h reads kv head h // rep
         with sdpa_kernel(self._sdpa_backends(prefill=False)):
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=self.scale)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)
         return o.reshape(n, 1, self.n_heads * self.head_dim)
 
     def _block_mask(self, n: int) -> Any:
@@ -843,12 +949,6 @@ class StaticEngine:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.scale)
         return o.transpose(1, 2).reshape(n, S, self.n_heads * self.head_dim)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [n, V] from fp32 hidden states [n, H]: the LM head in the compute dtype, fp32 out."""
-        if self.dtype == torch.float32:
-            return F.linear(h, self.head)
-        return matmul_fp32_out(h.to(self.dtype), self.head.t())
-
     def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Right-padded prompts [n, P] into cache slots [0, P) (slot = position); self.h gets each row's state
         before its first response token (the final-norm hidden state at slot length - 1).  lengths [n] >= 1
@@ -877,7 +977,7 @@ class StaticEngine:
     def _decode_step(
         self,
         n: int,
-        Lk: int,
+        widths: tuple[int, ...],
         greedy: bool,
         temperature: float,
         top_p: float,
@@ -885,25 +985,35 @@ class StaticEngine:
         pad_id: int,
         hidden: bool,
     ) -> None:
-        """One token for every row, reading and writing static buffers only (so it can be a CUDA graph)."""
+        """One token for every row, reading and writing static buffers only (so it can be a CUDA graph).
+        widths: the KV slots each row group's attention reads (group_widths; one group: every row reads widths[0])."""
         t = self.step  # [1], on the device
-        h = self.h[:n]
-        if hidden:
-            self.out_hidden[:n].index_copy_(1, t, h[:, None])
-        u = None if greedy else self.u[:n].index_select(1, t)[:, 0]
-        token, logp, short = sample_tokens_fp32(self._logits(h), u, temperature, top_p, self.top_k)
-        fin = self.finished[:n]
-        self.short_rows += (short & ~fin).sum()
-        token = torch.where(fin, torch.full_like(token, pad_id), token)
-        self.out_tokens[:n].index_copy_(1, t, token[:, None])
-        self.out_logp[:n].index_copy_(1, t, torch.where(fin, torch.zeros_like(logp), logp)[:, None])
-        self.out_mask[:n].index_copy_(1, t, (~fin).float()[:, None])
-        fin |= token == eos_id  # in place: self.finished
-        # the token enters the model at slot = position = prompt length + t; its hidden state is the next state
-        pos = self.pos0[:n] + t  # [n]
-        x = F.embedding(token[:, None], self.embed)  # fp32 [n, 1, H]
-        cos, sin = self._rope(pos[:, None])
-        valid = self.slot_ids[:Lk] <= pos[:, None]  # [n, Lk]: each row's slots [0, position]
+        x, cos, sin, pos = self._sample(
+            self.h[:n],
+            self.head,
+            self.embed,
+            None if greedy else self.u[:n],
+            t,
+            self.pos0[:n],
+            self.finished[:n],
+            self.out_tokens[:n],
+            self.out_logp[:n],
+            self.out_mask[:n],
+            self.out_hidden[:n] if hidden else None,
+            self.short_rows,
+            self.inv_freq,
+            self.rope_scale,
+            temperature,
+            top_p,
+            self.top_k,
+            eos_id,
+            pad_id,
+        )
+        bounds = row_group_bounds(n, len(widths))
+        groups = list(zip(bounds, bounds[1:], widths))  # (first row, end row, Lk) of each group
+        # SDPA's additive masks, once a step (a boolean mask would be converted in every layer's call); flex: none
+        sdpa = self._flex is None
+        bias = [_length_bias(self.slot_ids[:Lk], pos[r0:r1], self.dtype) for r0, r1, Lk in groups if sdpa]
         where = pos.view(1, n, 1, 1, 1).expand(2, n, self.n_kv, 1, self.head_dim)
         mask = None
         if self._flex is not None:
@@ -916,20 +1026,40 @@ class StaticEngine:
             cache.scatter_(3, where, kv)
             if mask is not None:
                 o = self._flex_decode_attention(q, cache[0], cache[1], mask)
-            else:
-                o = self._decode_attention(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], valid)
+            elif len(groups) == 1:
+                Lk = widths[0]
+                o = self._decode_attention(q, cache[0, :, :, :Lk], cache[1, :, :, :Lk], bias[0])
+            else:  # each group reads its own width: the rows are sorted by length, so most read far fewer slots
+                o = torch.cat(
+                    [
+                        self._decode_attention(q[r0:r1], cache[0, r0:r1, :, :Lk], cache[1, r0:r1, :, :Lk], v)
+                        for (r0, r1, Lk), v in zip(groups, bias)
+                    ]
+                )  # [n, 1, heads d]
             x = self._post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
         self.h[:n] = F.rms_norm(x[:, -1], (self.hidden_size,), self.norm_w, self.eps)
         self.step.add_(1)
 
     # ---- graphs --------------------------------------------------------------------------------------
 
-    def _widths(self, longest_prompt: int, T: int) -> list[int]:
-        """Lk of each step t: the longest row's length (prompt + t + 1) rounded up to kv_chunk. With flex
-        attention the block mask bounds each row: one width (one graph) for all steps."""
+    def groups_for(self, n: int) -> int:
+        """The row groups a batch of n rows decodes in: row_groups when given, else 2 on a GPU from 256 rows
+        and 1 below and on the CPU; never more than n; 1 with flex attention (its block mask already bounds
+        each row). Why 2: a second group adds an attention call and a concatenation a layer (64 eager ops a step
+        for SmolLM2-135M; each further group 34), and at 512 GSM8K rows 2 groups (64 + 448 rows) read 3.72 GB
+        of KV a step, 4 groups 3.51 GB, 1 group 4.66 (arithmetic: docs/throughput.md)."""
         if self._flex is not None:
-            return [self.max_l] * T
-        return [min(self.max_l, _round_up(longest_prompt + t + 1, self.kv_chunk)) for t in range(T)]
+            return 1
+        cuda = self.device.type == "cuda"
+        groups = self.row_groups if self.row_groups is not None else (2 if cuda and n >= 256 else 1)
+        return max(1, min(groups, n))
+
+    def _widths(self, lengths: Sequence[int], T: int, groups: int) -> list[tuple[int, ...]]:
+        """The group widths of each step t (group_widths over the rows in engine order, capped at the cache's
+        slots). With flex attention the block mask bounds each row: one width (one graph) for all steps."""
+        if self._flex is not None:
+            return [(self.max_l,)] * T
+        return [group_widths(lengths, groups, t, self.kv_chunk, self.max_l) for t in range(T)]
 
     def _safe_state(self, n: int) -> None:
         """A state that warm-up and capture may run on: step 0, slot 0 (they scribble; generate resets after)."""
@@ -937,28 +1067,28 @@ class StaticEngine:
         self.pos0[:n].zero_()
         self.finished[:n].zero_()
 
-    def _step_fns(self, settings: tuple, n: int, widths: Sequence[int]) -> dict[int, Callable]:
-        """{Lk: a callable that runs one decode step}: CUDA graph replays on a GPU, eager calls elsewhere.
-        Captures the graphs this call needs and does not have yet (before the call sets its state)."""
-        fns = {Lk: functools.partial(self._decode_step, n, Lk, *settings) for Lk in sorted(set(widths))}
+    def _step_fns(self, settings: tuple, n: int, widths: Sequence[tuple[int, ...]]) -> dict[tuple, Callable]:
+        """{group widths: a callable that runs one decode step}: CUDA graph replays on a GPU, eager calls
+        elsewhere. Captures the graphs this call needs and does not have yet (before the call sets its state)."""
+        fns = {w: functools.partial(self._decode_step, n, w, *settings) for w in sorted(set(widths))}
         t0 = time.perf_counter()
         if not self.cuda_graph:
-            for Lk, fn in fns.items():  # compiled layers without graphs: compile here, where a failure is caught
-                key = (n, Lk, *settings)
+            for w, fn in fns.items():  # compiled layers without graphs: compile here, where a failure is caught
+                key = (n, w, *settings)
                 if (self.compile or self._flex_compiled) and key not in self._warmed:
                     self._warm_up(fn, n, reps=1)
                     self._warmed.add(key)
             self.compile_seconds += time.perf_counter() - t0
             return fns
         replays = {}
-        for Lk, fn in fns.items():
-            key = (n, Lk, *settings)
+        for w, fn in fns.items():
+            key = (n, w, *settings)
             if key not in self.graphs:
                 replay = self._capture(fn, n)
                 if replay is None:  # the capture failed: every step of this call (and later ones) eager
                     return fns
                 self.graphs[key] = replay
-            replays[Lk] = self.graphs[key]
+            replays[w] = self.graphs[key]
         self.compile_seconds += time.perf_counter() - t0
         return replays
 
@@ -1043,7 +1173,7 @@ class StaticEngine:
         d, dev, dt = self.head_dim, self.device, self.dtype
         q = torch.zeros(rows, self.n_kv, self.rep, d, dtype=dt, device=dev)
         k = torch.zeros(rows, self.n_kv, Lk, d, dtype=dt, device=dev)
-        mask = torch.ones(rows, 1, 1, Lk, dtype=torch.bool, device=dev)
+        mask = torch.zeros(rows, 1, 1, Lk, dtype=dt, device=dev)  # the additive mask the decode step passes
         qp = torch.zeros(rows, self.n_heads, prompt_width, d, dtype=dt, device=dev)
         out = {}
         for name, args, causal, prefill in (
@@ -1097,12 +1227,18 @@ class StaticEngine:
         dev = self.device
         prompt_ids, prompt_mask = left_pad(prompts, pad_id, prompt_multiple)  # what the Rollout reports
         b = prompt_ids.shape[0]
-        lengths = [max(1, len(s)) for s in prompts] + [1] * (self.rows_for(b) - b)  # an extra row: one pad token
-        n, longest = len(lengths), max(lengths)
+        n = self.rows_for(b)
+        groups = self.groups_for(n)
+        # row groups: the engine's rows are the prompts longest first (a stable sort), undone on every output
+        order = sorted(range(b), key=lambda i: -len(prompts[i])) if groups > 1 else None
+        if order is not None:
+            prompts = [prompts[i] for i in order]
+        lengths = [max(1, len(s)) for s in prompts] + [1] * (n - b)  # an extra row: one pad token, last
+        longest = max(lengths)
         self.reserve(n, longest, T, return_hidden)
         self.refresh()
         settings = (uniforms is None, float(temperature), float(top_p), int(eos_id), int(pad_id), return_hidden)
-        widths = self._widths(longest, T)
+        widths = self._widths(lengths, T, groups)
         step_fns = self._step_fns(settings, n, widths)  # captures before the state is set: warm-up scribbles
 
         # the state: prompts right-padded (slot = position), extra rows finished from the start
@@ -1117,7 +1253,8 @@ class StaticEngine:
         self.short_rows.zero_()
         self.u[:n].zero_()
         if uniforms is not None:
-            self.u[:b, :T] = uniforms[:, :T].to(device=dev, dtype=torch.float32)
+            rows = slice(None) if order is None else torch.tensor(order, device=uniforms.device)
+            self.u[:b, :T] = uniforms[rows, :T].to(device=dev, dtype=torch.float32)
         self.out_tokens[:n].fill_(pad_id)
         self.out_logp[:n].zero_()
         self.out_mask[:n].zero_()
@@ -1142,14 +1279,18 @@ class StaticEngine:
                 f"top-p {top_p}: the {self.top_k} most likely tokens held less than top_p of the mass in some rows "
                 f"(sampled among those {self.top_k}); StaticEngine(top_k=0) samples exactly"
             )
-        hidden = self.out_hidden[:b, :t_used].clone() if return_hidden else None
+        back = None if order is None else torch.tensor(order, device=dev).argsort()  # engine row of each prompt
+
+        def caller_order(x: torch.Tensor) -> torch.Tensor:  # a copy, rows in the caller's order
+            return x.clone() if back is None else x[back]
+
         return Rollout(
             prompt_ids=prompt_ids.to(dev),
             prompt_mask=prompt_mask.to(dev),
-            response_ids=self.out_tokens[:b, :t_used].clone(),
-            response_mask=self.out_mask[:b, :t_used].clone(),
-            logprobs=self.out_logp[:b, :t_used].clone(),
-            hidden=hidden,
+            response_ids=caller_order(self.out_tokens[:b, :t_used]),
+            response_mask=caller_order(self.out_mask[:b, :t_used]),
+            logprobs=caller_order(self.out_logp[:b, :t_used]),
+            hidden=caller_order(self.out_hidden[:b, :t_used]) if return_hidden else None,
         )
 
 

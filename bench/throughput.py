@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import itertools
 import json
 import os
 import shlex
@@ -437,8 +438,9 @@ def _time_engine(b: Bench, prompts: list[list[int]], u: torch.Tensor, opts: dict
     for _ in range(b.args.reps):
         times.append(b.timed(run)[0])
         decode.append(eng.last_timing["decode_s"] / eng.last_timing["steps"])
-    eager_ops = count_step_ops(eng, prompts[:4], b.pad)
-    kernels, source = count_step_kernels(eng, prompts[:4], b.pad)
+    groups = eng.groups_for(eng.rows_for(B))  # the probes decode in as many row groups as the variant did
+    eager_ops = count_step_ops(eng, prompts[:4], b.pad, groups)
+    kernels, source = count_step_kernels(eng, prompts[:4], b.pad, groups)
     floor = decode_floor(eng, [len(p) for p in prompts], T, kernels if kernels else eager_ops)
     floor["ops_per_step_eager"], floor["ops_per_step"], floor["ops_source"] = eager_ops, floor["ops"], source
     floor["measured_ms"] = 1e3 * _median(decode)
@@ -461,9 +463,10 @@ def _time_engine(b: Bench, prompts: list[list[int]], u: torch.Tensor, opts: dict
     }
 
 
-def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int) -> int:
-    """ATen ops (views left out) one eager decode step dispatches: about its kernels without torch.compile,
-    which fuses the norms, RoPE and the elementwise ops of each layer piece."""
+def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int, row_groups: int = 1) -> int:
+    """ATen ops (views left out) one eager decode step dispatches, in row_groups row groups: about its kernels
+    without torch.compile, which fuses the norms, RoPE and the elementwise ops of each layer piece and of the
+    sampler."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -475,7 +478,7 @@ def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int)
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    probe = engine.StaticEngine(eng._lm(), cuda_graph=False, compile=False, check_every=1000)
+    probe = engine.StaticEngine(eng._lm(), cuda_graph=False, compile=False, check_every=1000, row_groups=row_groups)
     step, counts = probe._decode_step, []
 
     def counted(*a):
@@ -489,17 +492,24 @@ def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int)
     return counts[-1]
 
 
-def count_step_kernels(eng: engine.StaticEngine, prompts: list[list[int]], pad: int) -> tuple[int | None, str]:
-    """The GPU kernels one decode step of this variant launches (its own compile and attention settings, run
-    without a graph under torch.profiler), or (None, why) where that cannot be counted (the CPU): then the
-    expected line uses the eager ATen op count, an upper bound for a compiled variant."""
+def count_step_kernels(
+    eng: engine.StaticEngine, prompts: list[list[int]], pad: int, row_groups: int = 1
+) -> tuple[int | None, str]:
+    """The GPU kernels one decode step of this variant launches (its own compile and attention settings and
+    row_groups, run without a graph under torch.profiler), or (None, why) where that cannot be counted (the
+    CPU): then the expected line uses the eager ATen op count, an upper bound for a compiled variant."""
     if eng.device.type != "cuda":
         return None, "eager ATen ops (no GPU: kernels not counted)"
     try:
         from torch.profiler import ProfilerActivity, profile
 
         probe = engine.StaticEngine(
-            eng._lm(), cuda_graph=False, compile=eng.compile, attention=eng.attention, check_every=1000
+            eng._lm(),
+            cuda_graph=False,
+            compile=eng.compile,
+            attention=eng.attention,
+            check_every=1000,
+            row_groups=row_groups,
         )
         step, counts = probe._decode_step, []
 
@@ -517,16 +527,22 @@ def count_step_kernels(eng: engine.StaticEngine, prompts: list[list[int]], pad: 
         return None, f"eager ATen ops (kernel count failed: {type(e).__name__}: {e})"[:200]
 
 
-def decode_floor(eng: engine.StaticEngine, prompt_lens: list[int], T: int, ops: int) -> dict[str, Any]:
+def decode_floor(
+    eng: engine.StaticEngine, prompt_lens: list[int], T: int, ops: int, row_groups: int | None = None
+) -> dict[str, Any]:
     """The decode step's time from arithmetic on H200's datasheet: max(bytes / bandwidth, FLOPs / peak) plus
     a launch gap per kernel, averaged over T steps. Bytes: every weight matrix and the LM head once; the KV
-    slots (valid: each row's prompt + t + 1; read by this engine: the longest row's chunk for every row with
-    SDPA, each row's own FLEX_BLOCK blocks with flex); the fp32 logits' passes (write, log-softmax read and
-    write, block sums, gather: ~5 x rows x V x 4). Kernels (ops): the variant's own kernel count on a GPU
-    (count_step_kernels), else the ATen ops of one eager step (compile fuses some: an upper bound)."""
+    slots (valid: each row's prompt + t + 1; read by this engine: with SDPA, every row of a row group reads
+    its group's width, engine.group_widths over the rows sorted longest first as the engine sorts them (one
+    group: the longest row's chunk for every row); with flex, each row's own FLEX_BLOCK blocks); the fp32
+    logits' passes (write, log-softmax read and write, block sums, gather: ~5 x rows x V x 4). Kernels (ops):
+    the variant's own kernel count on a GPU (count_step_kernels), else the ATen ops of one eager step (compile
+    fuses some: an upper bound). row_groups: the engine's own rule (groups_for) when None."""
     elt = torch.finfo(eng.dtype).bits // 8
     rows = eng.rows_for(len(prompt_lens))
-    lens = list(prompt_lens) + [1] * (rows - len(prompt_lens))  # extra rows hold one token
+    groups = eng.groups_for(rows) if row_groups is None else row_groups
+    lens = sorted(prompt_lens, reverse=True) if groups > 1 else list(prompt_lens)
+    lens = [max(1, p) for p in lens] + [1] * (rows - len(prompt_lens))  # extra rows hold one token
     weights = sum(x.numel() for x in (eng.qkv, eng.o, eng.gate_up, eng.down)) + eng.vocab * eng.hidden_size
     kv_slot = eng.n_layers * 2 * eng.n_kv * eng.head_dim * elt  # bytes of one slot, all layers
     valid = sum(sum(p + t + 1 for p in lens) for t in range(T)) / T  # slots per step, all rows
@@ -534,7 +550,10 @@ def decode_floor(eng: engine.StaticEngine, prompt_lens: list[int], T: int, ops: 
         block = engine.FLEX_BLOCK
         read = sum(sum(_round_up(p + t + 1, block) for p in lens) for t in range(T)) / T
     else:
-        read = sum(rows * _round_up(max(lens) + t + 1, eng.kv_chunk) for t in range(T)) / T
+        sizes = [b - a for a, b in itertools.pairwise(engine.row_group_bounds(rows, groups))]  # rows per group
+        cap = _round_up(max(lens) + T, 256)  # the cache's slots (engine.reserve's rounding)
+        widths = [engine.group_widths(lens, groups, t, eng.kv_chunk, cap) for t in range(T)]
+        read = sum(sum(r * w for r, w in zip(sizes, ws)) for ws in widths) / T
     logits = 5 * rows * eng.vocab * 4
     bytes_valid = weights * elt + valid * kv_slot + logits
     bytes_read = weights * elt + read * kv_slot + logits
@@ -545,6 +564,7 @@ def decode_floor(eng: engine.StaticEngine, prompt_lens: list[int], T: int, ops: 
     return {
         "rows": rows,
         "attention": eng.attention,
+        "row_groups": groups if eng.attention != "flex" else 1,
         "weight_bytes": weights * elt,
         "kv_bytes_valid": valid * kv_slot,
         "kv_bytes_read": read * kv_slot,

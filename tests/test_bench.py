@@ -179,3 +179,26 @@ def test_default_device_without_a_gpu_is_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert "cpu" in json.dumps(report["device"]).lower() and "check" in report["sections"]
+
+
+def test_decode_floor_reads_the_row_groups_widths():
+    """decode_floor's KV bytes read: with one group every row reads the longest row's chunk; with two row groups
+    the longest eighth (here one row) reads its own width and the other rows theirs (the engine's rows sorted
+    longest first); the valid bytes do not change."""
+    import engine
+    import models
+
+    tok = models.load_tokenizer(models.TINY_MODEL)
+    lm = models.load_model(models.TINY_MODEL, tok, seed=0)
+    lens, T = [12, 200, 9, 30, 15, 11, 8, 10], 16
+    slot = lm.config.num_hidden_layers * 2 * lm.config.num_key_value_heads * lm.config.head_dim * 4  # fp32 bytes
+    one = throughput.decode_floor(engine.StaticEngine(lm, row_groups=1), lens, T, ops=100)
+    two = throughput.decode_floor(engine.StaticEngine(lm, row_groups=2), lens, T, ops=100)
+    assert one["row_groups"] == 1 and two["row_groups"] == 2
+    assert one["kv_bytes_read"] == pytest.approx(sum(8 * 256 for t in range(T)) / T * slot)  # 200 + t + 1 -> 256
+    assert two["kv_bytes_read"] == pytest.approx(sum(256 + 7 * 64 for t in range(T)) / T * slot)  # 30 + t + 1 -> 64
+    assert (
+        one["kv_bytes_valid"]
+        == two["kv_bytes_valid"]
+        == pytest.approx(sum(sum(lens) + 8 * (t + 1) for t in range(T)) / T * slot)
+    )

@@ -358,3 +358,55 @@ def test_flex_attention_decode_reads_the_same_tokens(lm, tok):
     ref = engine.StaticEngine(lm).generate(prompts, **kw)
     assert torch.equal(flex.response_ids, ref.response_ids)
     torch.testing.assert_close(flex.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
+def test_group_widths_cover_each_groups_longest_row():
+    """group_widths: each group reads its own longest row's slots [0, position] (prompt + t + 1) rounded up to
+    kv_chunk, capped at the cache's slots; the groups are contiguous and as even as integers allow."""
+    assert engine.row_group_bounds(512, 2) == [0, 64, 512] and engine.row_group_bounds(8, 1) == [0, 8]
+    assert engine.row_group_bounds(10, 3) == [0, 1, 5, 10]  # the longest eighth (at least a row), then even
+    for n in range(1, 40):
+        for groups in range(1, n + 1):
+            bounds = engine.row_group_bounds(n, groups)
+            assert len(bounds) == groups + 1 and bounds[0] == 0 and bounds[-1] == n
+            assert all(a < b for a, b in zip(bounds, bounds[1:])), (n, groups, bounds)  # no empty group
+    lengths = [250, 90, 64, 17, 9, 5, 3, 1]  # longest first, as the engine orders the rows of a grouped call
+    assert engine.group_widths(lengths, 1, 0, 64, 4096) == (256,)  # one group: the longest row's width
+    assert engine.group_widths(lengths, 4, 0, 16, 4096) == (256, 96, 32, 16)  # [250], [90, 64], [17, 9], [5, 3, 1]
+    assert engine.group_widths(lengths, 4, 7, 16, 4096) == (272, 112, 32, 16)
+    assert engine.group_widths(lengths, 4, 7, 16, 264) == (264, 112, 32, 16)  # capped
+    g = torch.Generator().manual_seed(0)
+    for groups in (1, 2, 3, 5, 8):
+        lens = torch.randint(1, 300, (8,), generator=g).tolist()  # any order: the longest of each group counts
+        bounds = engine.row_group_bounds(len(lens), groups)
+        for t in (0, 1, 15, 16, 100):
+            widths = engine.group_widths(lens, groups, t, 16, 4096)
+            assert len(widths) == groups
+            for w, r0, r1 in zip(widths, bounds, bounds[1:]):
+                longest = max(lens[r0:r1]) + t + 1
+                assert w % 16 == 0 and longest <= w < longest + 16, (groups, t, w, lens[r0:r1])
+
+
+def test_row_groups_give_the_ungrouped_tokens_in_the_callers_order(lm, tok):
+    """row_groups=3: the rows sorted by length inside the engine, each group reading only its own width. Tokens,
+    log-probs, masks and hidden states equal the ungrouped engine's bitwise (fp32 on the CPU: measured equal,
+    greedy and sampled), rows in the caller's order, extra rows (batch_multiple) and EOS included."""
+    prompts, T, pad = make_prompts((3, 200, 17, 90, 1, 140, 33, 9)), 24, tok.pad_token_id  # not sorted
+    u = engine.step_uniforms(4, 2, 0, len(prompts), T, CPU)
+    grouped = engine.StaticEngine(lm, row_groups=3, batch_multiple=3, kv_chunk=16)
+    read = []  # the slots each attention call of the grouped engine reads
+    attend = grouped._decode_attention
+    grouped._decode_attention = lambda q, k, v, bias: read.append(k.shape[2]) or attend(q, k, v, bias)
+    for kw in (dict(uniforms=None), dict(uniforms=u, temperature=0.8, top_p=0.9, return_hidden=True)):
+        kw = dict(max_new_tokens=T, pad_id=pad, **kw)
+        eos = int(engine.StaticEngine(lm).generate(prompts, eos_id=-1, **kw).response_ids[1, T // 3])  # row 1 ends
+        kw["eos_id"] = eos
+        ref = engine.StaticEngine(lm).generate(prompts, **kw)
+        got = grouped.generate(prompts, **kw)
+        assert len(set(ref.lengths.tolist())) > 1, "EOS should end rows at different steps"
+        for name in ("response_ids", "response_mask", "logprobs", "hidden", "prompt_ids", "prompt_mask"):
+            a, b = getattr(got, name), getattr(ref, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+    assert grouped.groups_for(9) == 3 and engine.StaticEngine(lm).groups_for(512) == 1  # the CPU: 1 unless asked
+    assert engine.StaticEngine(lm, attention="flex", row_groups=3).groups_for(9) == 1  # flex bounds each row
+    assert min(read) == 16 and max(read) == 224, (min(read), max(read))  # the short rows read 16 slots, not 224

@@ -45,6 +45,7 @@ def test_prefill_compiles_once_over_varied_lengths(lm, tok):
     counter = CompileCounter()
     eng = engine.StaticEngine(lm, compile=True, compile_backend=counter)
     eng._pre, eng._post = engine._llama_pre_attention, engine._llama_post_attention  # count the prefill only
+    eng._sample = engine._decode_sample
     ref = engine.StaticEngine(lm)
     g = torch.Generator().manual_seed(1)
     for rows, length in [(3, 10), (5, 70), (64, 30), (2, 130), (1, 5), (7, 200), (64, 64)]:
@@ -166,3 +167,47 @@ def test_generate_records_the_backend_it_ran(lm, tok):
     rec = engine.rollout_record()
     assert rec == {"rollout_backend": "hf, static", "rollout_fallbacks": []}
     assert engine.StaticEngine(lm).backend_name == "static"
+
+
+def test_the_head_sampler_and_bookkeeping_compile_and_give_the_eager_tokens(lm, tok):
+    """_decode_sample (the LM head, the sampler, the step's bookkeeping) goes through the compile backend with the
+    layer pieces: the backend sees a graph with the sampler and the in-place writes, and the compiled engine
+    (aot_eager: the in-place writes functionalised, as inductor sees them) gives the eager engine's rollout."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    graphs: list[str] = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm.code)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    eng = engine.StaticEngine(lm, compile=True, cuda_graph=False, compile_backend=recording)
+    prompts, pad = make_prompts((3, 41, 17)), tok.pad_token_id
+    for kw in (dict(), dict(top_p=0.9, return_hidden=True)):
+        got = rollout(eng, prompts, 8, pad, **kw)
+        want = rollout(engine.StaticEngine(lm), prompts, 8, pad, **kw)
+        assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        if got.hidden is not None:
+            torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=0)
+    greedy = dict(max_new_tokens=8, eos_id=-1, pad_id=pad)  # no uniforms: argmax
+    got, want = eng.generate(prompts, **greedy), engine.StaticEngine(lm).generate(prompts, **greedy)
+    assert torch.equal(got.response_ids, want.response_ids)
+    sampler = [g for g in graphs if "log_softmax" in g and "index_copy" in g and "searchsorted" in g]
+    assert len(sampler) == 2, f"{len(sampler)} sampler graphs of {len(graphs)}"  # one per sampler setting
+    assert any("argmax" in g and "index_copy" in g and "searchsorted" not in g for g in graphs)  # greedy
+    assert eng.compile and eng.fallbacks == []
+
+
+def test_a_sampler_compile_failure_falls_back_to_eager_with_its_reason(lm, tok, capsys):
+    boom = RuntimeError("simulated: sampler lowering failed")
+    eng = engine.StaticEngine(lm, compile=True, cuda_graph=False, compile_backend="eager")
+    eng._sample = torch.compile(engine._decode_sample, dynamic=False, backend=_failing_backend(boom))
+    prompts, pad = make_prompts((3, 41, 17)), tok.pad_token_id
+    got = rollout(eng, prompts, 8, pad)
+    assert torch.equal(got.response_ids, rollout(engine.StaticEngine(lm), prompts, 8, pad).response_ids)
+    [fb] = eng.fallbacks
+    assert fb["what"] == "compile" and "sampler lowering failed" in fb["reason"], fb
+    assert "sampler lowering failed" in capsys.readouterr().err
+    assert not eng.compile and eng._sample is engine._decode_sample  # eager from now on, layers included
+    assert engine.rollout_record()["rollout_fallbacks"] == [fb]

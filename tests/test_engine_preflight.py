@@ -240,6 +240,25 @@ def test_simulated_graphs_grow_without_the_pool_assert_and_replay_the_eager_toke
     assert fake.stack == [fake.default]
 
 
+def test_simulated_graphs_of_row_groups_replay_the_ungrouped_tokens(lm, tok, monkeypatch):
+    """Row groups on the graph path: one graph per tuple of group widths (at most 1 + groups x ceil((T - 1) /
+    kv_chunk) in a call), each replaying the ungrouped eager engine's tokens; a second call captures nothing."""
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    pad, T = tok.pad_token_id, 20
+    eng = graph_engine(lm, fake, row_groups=3, kv_chunk=16)
+    prompts = make_prompts((3, 120, 17, 60, 1, 90, 33))
+    got = rollout(eng, prompts, T, pad, return_hidden=True)
+    ref = rollout(engine.StaticEngine(lm), prompts, T, pad, return_hidden=True)
+    assert torch.equal(got.response_ids, ref.response_ids) and torch.equal(got.hidden, ref.hidden)
+    torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    widths = {w for (_, w, *_) in eng.graphs}
+    assert all(len(w) == 3 for w in widths) and len(widths) == fake.captures <= 1 + 3 * 2, widths
+    assert all(w[0] > w[-1] for w in widths), "the shortest rows read the longest row's width"
+    again = rollout(eng, prompts, T, pad, return_hidden=True)
+    assert torch.equal(again.response_ids, ref.response_ids) and fake.captures == len(widths)
+
+
 def test_simulated_failed_capture_falls_back_to_the_eager_step_once(lm, tok, monkeypatch, capsys):
     fake = FakeCuda(fail_capture=True)
     fake.install(monkeypatch)
@@ -289,9 +308,9 @@ def test_guard_catches_a_sync():
         torch.ones(3)[torch.ones(3) > 0]
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_decode_step_never_syncs_with_the_host(lm, tok, sampled):
-    eng = engine.StaticEngine(lm, check_every=1000)  # the finished-check is the one sync, outside the step
+@pytest.mark.parametrize("sampled,groups", [(False, 1), (True, 1), (True, 2)])
+def test_decode_step_never_syncs_with_the_host(lm, tok, sampled, groups):
+    eng = engine.StaticEngine(lm, check_every=1000, row_groups=groups)  # the finished-check: the one sync, outside
     calls = []
     step = eng._decode_step
 
