@@ -17,6 +17,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -865,9 +866,20 @@ def run_title(run_dir: Path) -> str:
         return f"{run_dir.name}: not finished (no results.json)"
 
 
+def empty_panel_note(rows: list[dict], keys: Sequence[str]) -> str:
+    """What a panel with no curve says: its keys never logged, or logged but never a number (a baseline's nmse
+    over states whose Monte Carlo scores were all equal is undefined: a model that solves nothing)."""
+    if not any(key in r for r in rows for key in keys):
+        return "not logged by this run"
+    if any(key.endswith("/nmse") for key in keys):
+        return "measured, undefined at every step:\nno state's Monte Carlo scores differed\n(nothing for a baseline to predict)"
+    return "logged, never a finite number"
+
+
 def plot_run(plt: Any, run_dir: Path) -> Path:
     """run_dir's curves against the step (run_series) in one PNG beside its metrics.jsonl; returns its path."""
-    series = run_series(read_metrics(run_dir))
+    rows = read_metrics(run_dir)
+    series = run_series(rows)
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     panels = [
         ("training reward", [("reward", "reward")]),
@@ -892,7 +904,8 @@ def plot_run(plt: Any, run_dir: Path) -> Path:
                 ax.errorbar(c["step"], ys, yerr=err, marker="o", ms=3, capsize=3)
                 drawn = True
         if not drawn:
-            ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=ax.transAxes, color="grey")
+            note = empty_panel_note(rows, [key for _, key in curves])
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="grey", fontsize=9)
         elif len(curves) > 1:
             ax.legend(fontsize=7, loc="best")
         ax.set_title(title, fontsize=10)

@@ -52,6 +52,16 @@ def test_run_series_reads_every_curve_and_its_interval():
     assert series["val"] == {"step": [2, 4], "y": [0.25, 0.5], "lo": [0.1, 0.2], "hi": [0.5, 0.8]}
 
 
+def test_an_empty_panel_says_whether_its_curve_was_logged_or_undefined():
+    nan = float("nan")
+    nmse = ["mc/value/nmse", "mc/loo/nmse"]
+    assert report.empty_panel_note([{"step": 1, "reward": 0.0}], nmse) == "not logged by this run"
+    # the packaged SmolLM2 on GSM8K: every Monte Carlo score 0, so the nmse is NaN at every measured step
+    note = report.empty_panel_note([{"step": 1, "mc/value/nmse": nan}, {"step": 2, "reward": 0.0}], nmse)
+    assert "undefined at every step" in note and "Monte Carlo scores" in note
+    assert report.empty_panel_note([{"step": 1, "kl_ref": nan}], ["kl_ref"]) == "logged, never a finite number"
+
+
 def test_a_run_folder_gets_its_curves_beside_its_metrics(tmp_path):
     run_dir = write_run(tmp_path / "ppo-small-s1", ppo_rows(), RESULTS)
     before = sorted(p.name for p in run_dir.iterdir())
