@@ -61,3 +61,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "smoke_sweep" in getattr(item, "fixturenames", ()):  # directly or through another fixture
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture()
+def one_thread():
+    """torch on one CPU thread for the test, as a torchrun worker runs. With more, SDPA's CPU kernel splits a
+    decode query's slots by the width it reads, so a row's last bits follow the width (one hidden value 1e-4
+    apart at 2 threads between row groups and none, 2026-12-02); with one, they are bitwise equal."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -250,7 +250,9 @@ def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
     stopped_at = json.loads((split / checkpoint.CHECKPOINT / "state.json").read_text())["counters"]["step"]
-    assert f"stopped by SIGTERM after step {stopped_at}; checkpoint in {split / checkpoint.CHECKPOINT}" in out, out[-3000:]
+    assert f"stopped by SIGTERM after step {stopped_at}; checkpoint in {split / checkpoint.CHECKPOINT}" in out, out[
+        -3000:
+    ]
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert not (split / "results.json").exists()
 

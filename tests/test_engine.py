@@ -387,10 +387,10 @@ def test_group_widths_cover_each_groups_longest_row():
                 assert w % 16 == 0 and longest <= w < longest + 16, (groups, t, w, lens[r0:r1])
 
 
-def test_row_groups_give_the_ungrouped_tokens_in_the_callers_order(lm, tok):
+def test_row_groups_give_the_ungrouped_tokens_in_the_callers_order(lm, tok, one_thread):
     """row_groups=3: the rows sorted by length inside the engine, each group reading only its own width. Tokens,
-    log-probs, masks and hidden states equal the ungrouped engine's bitwise (fp32 on the CPU: measured equal,
-    greedy and sampled), rows in the caller's order, extra rows (batch_multiple) and EOS included."""
+    log-probs, masks and hidden states equal the ungrouped engine's bitwise (fp32 on one CPU thread: measured
+    equal, greedy and sampled; see conftest.one_thread), rows in the caller's order, extra rows (batch_multiple) and EOS included."""
     prompts, T, pad = make_prompts((3, 200, 17, 90, 1, 140, 33, 9)), 24, tok.pad_token_id  # not sorted
     u = engine.step_uniforms(4, 2, 0, len(prompts), T, CPU)
     grouped = engine.StaticEngine(lm, row_groups=3, batch_multiple=3, kv_chunk=16)

@@ -240,9 +240,10 @@ def test_simulated_graphs_grow_without_the_pool_assert_and_replay_the_eager_toke
     assert fake.stack == [fake.default]
 
 
-def test_simulated_graphs_of_row_groups_replay_the_ungrouped_tokens(lm, tok, monkeypatch):
+def test_simulated_graphs_of_row_groups_replay_the_ungrouped_tokens(lm, tok, monkeypatch, one_thread):
     """Row groups on the graph path: one graph per tuple of group widths (at most 1 + groups x ceil((T - 1) /
-    kv_chunk) in a call), each replaying the ungrouped eager engine's tokens; a second call captures nothing."""
+    kv_chunk) in a call), each replaying the ungrouped eager engine's tokens (bitwise on one thread:
+    conftest.one_thread); a second call captures nothing."""
     fake = FakeCuda()
     fake.install(monkeypatch)
     pad, T = tok.pad_token_id, 20

@@ -265,12 +265,12 @@ def test_full_critic_copies_the_qwen2_trunk_with_its_biases(tok):
     assert values.shape == (2, 5) and values.abs().sum() > 0
 
 
-
 # what a trainer's checkpoint holds, every field load_checkpoint checks (checkpoint._check_state)
 FULL_STATE = {
     "counters": {"step": 1, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0},
     "sampler": {"epoch": 0, "pos": 0},
 }
+
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_qwen2_checkpoint_round_trips_tied_or_untied(tok, tied, tmp_path):
