@@ -91,6 +91,21 @@ def test_small_folder_loads(tmp_path):
     assert out["test"][0].gold == "4"
 
 
+def test_a_file_is_parsed_once_per_version_and_a_changed_one_again(tmp_path, monkeypatch):
+    calls = []
+    parse = common._parse_jsonl
+    monkeypatch.setattr(common, "_parse_jsonl", lambda path, f: calls.append(path.name) or parse(path, f))
+    _write(tmp_path, [GOOD, GOOD, GOOD])
+    first = common.load_gsm8k(str(tmp_path), val_size=1)
+    first["train"].clear()  # a caller's list is its own
+    again = common.load_gsm8k(str(tmp_path), val_size=1)
+    assert sorted(calls) == ["test.jsonl", "train.jsonl"] and len(again["train"]) == 2
+    other = json.dumps({"question": "What is 5 + 5?", "answer": "5 + 5 = 10\n#### 10"})
+    (tmp_path / "test.jsonl").write_text(other + "\n" + other + "\n")  # another version: read again
+    changed = common.load_gsm8k(str(tmp_path), val_size=1)
+    assert [p.gold for p in changed["test"]] == ["10", "10"] and sorted(calls).count("test.jsonl") == 2
+
+
 def test_missing_folder(tmp_path):
     with pytest.raises(runtime.UserError, match="does not exist"):
         common.load_gsm8k(str(tmp_path / "nowhere"))

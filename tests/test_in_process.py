@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,3 +42,17 @@ def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, 
         assert after[3:] == before[3:]
         assert checkpoint._RUN_LOCK is None
         assert untimed(tmp_path / name) == untimed(fresh), f"run {name} in this process differs from a fresh one"
+
+
+def test_every_test_the_fast_lane_leaves_out_exists():
+    """conftest.SLOW_TOO names tests by file::function[parameters prefix]: a renamed test must not leave a stale
+    entry behind (the fast lane would then quietly keep a slow test, or a new one would take its name)."""
+    from conftest import SLOW_TOO
+
+    here = Path(__file__).parent
+    for prefix in SLOW_TOO:
+        file, test = prefix.split("::")
+        function, _, params = test.partition("[")
+        text = (here / file).read_text()
+        assert f"def {function}(" in text, prefix
+        assert not params or "parametrize" in text, prefix
