@@ -1241,7 +1241,7 @@ def evaluate(
     t0 = time.time()
     bar = tqdm(total=len(mine), desc=desc, leave=False, disable=not show_progress or rank != 0)
     most = -(-len(problems) // world)  # rank 0's share, the largest: every rank passes as many stop points
-    for i in range(0, max(most, 1), batch_size):
+    for i in range(0, most, batch_size):
         runtime.stop_point()  # under torchrun a collective: a signal that reached one rank stops them all here
         if i >= len(mine):
             continue
