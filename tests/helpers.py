@@ -201,9 +201,23 @@ def assert_rises(values: list[float], by: float, to: float, what: str = "reward"
     assert last >= first + by and last >= to, f"{what} did not rise: {[round(v, 2) for v in values]}"
 
 
-def start_trainer(script: str, args: list[str], log) -> subprocess.Popen:
+def start_trainer(script: str, args: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a trainer in the background, stdout and stderr into the open file `log` (a pipe could fill up)."""
-    return subprocess.Popen(command(script, args), cwd=REPO, env=trainer_env(), stdout=log, stderr=subprocess.STDOUT)
+    env = dict(trainer_env(), **(env or {}))
+    return subprocess.Popen(command(script, args), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def signal_at(at: str, log: Path, rank: int | None = None, name: str = "SIGTERM") -> dict[str, str]:
+    """The environment that makes a trainer's process send itself signal `name` on a function's Nth call
+    (at = "module.function:N"), on `rank` only if given, logging the signal's and the exit's time to `log`:
+    a signal at a known point rather than after a sleep (tests/signal_at/sitecustomize.py)."""
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "signal_at"), os.environ.get("PYTHONPATH")])),
+        "RLVR_SIGNAL_AT": at,
+        "RLVR_SIGNAL_LOG": str(log),
+        "RLVR_SIGNAL_NAME": name,
+    }
+    return env if rank is None else dict(env, RLVR_SIGNAL_RANK=str(rank))
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

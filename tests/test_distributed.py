@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_ok, cli, command, run_here, trainer_env, wait_for_first_step
+from helpers import REPO, check_ok, cli, command, run_here, signal_at, trainer_env, wait_for_first_step
 
 import checkpoint
 import common
@@ -355,7 +355,6 @@ def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, d
 # rank 1 only (tests/signal_at/sitecustomize.py sends it at the Nth call of the function, on that rank); every
 # rank stops at the next batch (runtime.stop_point, a collective) rather than at the end of the run, and a resume
 # on one rank redoes only what is missing: the same rows and results as a straight run.
-SIGNAL_AT = Path(__file__).parent / "signal_at"
 STOP_RUNS = {  # 4 test batches a rank (3 left after the first); offline DPO samples its pairs in 2 chunks
     "ppo.py": dict(RUNS["ppo"][1], test_size=16, eval_batch_size=2, save_every=1),
     "dpo.py": dict(RUNS["dpo-offline"][1], eval_batch_size=2, save_every=1),
@@ -372,13 +371,7 @@ STOP_RUNS = {  # 4 test batches a rank (3 left after the first); offline DPO sam
 )
 def test_a_signal_to_one_rank_outside_the_step_stops_every_rank_at_once(tmp_path, data_dir, script, at, during):
     straight, split, log = tmp_path / "straight", tmp_path / "split", tmp_path / "signal.log"
-    inject = {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(SIGNAL_AT), os.environ.get("PYTHONPATH")])),
-        "RLVR_SIGNAL_AT": at,
-        "RLVR_SIGNAL_RANK": "1",
-        "RLVR_SIGNAL_LOG": str(log),
-    }
-    background = start(torchrun_cmd(script, flags(split, data_dir, **STOP_RUNS[script])), inject)
+    background = start(torchrun_cmd(script, flags(split, data_dir, **STOP_RUNS[script])), signal_at(at, log, rank=1))
     try:
         check_ok(one_process(script, flags(straight, data_dir, **STOP_RUNS[script])))
     finally:

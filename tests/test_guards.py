@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from helpers import (
     copy_run,
     read_metrics,
     run_here,
+    signal_at,
     start_trainer,
     step_rows,
     tree_digest,
@@ -279,20 +279,23 @@ def test_a_train_file_that_is_not_utf8_is_one_error_line(tmp_path, gsm8k_dir):
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_start_up_leaves_no_traceback_and_no_run_folder(tmp_path):
+@pytest.mark.parametrize("at", ["common.load_gsm8k:1", "models.load_model:1"])  # the run folder exists by then
+def test_ctrl_c_during_start_up_leaves_no_traceback_and_no_run_folder(tmp_path, at):
+    # the SIGINT comes at a known point of start-up (the process sends it itself: tests/signal_at), not when a
+    # poll sees the run folder: on a busy machine the poll saw it only once the stop signal was installed, and
+    # the run then finished its one step and exited 0
     run_dir = tmp_path / "run"
     with open(tmp_path / "log", "w") as log:
-        proc = start_trainer("ppo.py", cli(run_dir, **SMALL_RUN), log)
+        proc = start_trainer(
+            "ppo.py", cli(run_dir, **SMALL_RUN), log, signal_at(at, tmp_path / "signal.log", name="SIGINT")
+        )
         try:
-            deadline = time.time() + 120
-            while not run_dir.exists() and time.time() < deadline and proc.poll() is None:
-                time.sleep(0.005)
-            os.kill(proc.pid, signal.SIGINT)
             rc = proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()
     out = (tmp_path / "log").read_text()
+    assert "signal" in (tmp_path / "signal.log").read_text(), "the signal was never sent"
     assert rc == 130 and "Traceback" not in out, out
     assert out.strip().splitlines()[-1].startswith("error: interrupted"), out
     assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())

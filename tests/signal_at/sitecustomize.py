@@ -1,7 +1,8 @@
 """Fault injection for a test's subprocesses (torchrun ranks), where tests/test_faults.py's in-process wrapper
 cannot reach: with PYTHONPATH=tests/signal_at, Python imports this file at start-up, and when
-RLVR_SIGNAL_AT="module.function:N" is set, the process sends itself SIGTERM on the Nth call of that function of
-the project (before the call runs), only on the rank RLVR_SIGNAL_RANK (default: every process). The time of the
+RLVR_SIGNAL_AT="module.function:N" is set, the process sends itself RLVR_SIGNAL_NAME (default SIGTERM) on the Nth
+call of that function of the project (before the call runs), only on the rank RLVR_SIGNAL_RANK (default: every
+process). The time of the
 signal, and of the process's normal exit, are appended to RLVR_SIGNAL_LOG ("signal <t>", "exit <t>").
 Nothing here is imported by the project itself."""
 
@@ -46,7 +47,7 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
                 calls[0] += 1
                 if calls[0] == self.nth:
                     _log("signal")
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    os.kill(os.getpid(), signal.Signals[os.environ.get("RLVR_SIGNAL_NAME", "SIGTERM")])
                 return real(*args, **kwargs)
 
             setattr(module, self.function, wrapper)
