@@ -2,8 +2,8 @@
 cannot reach: with PYTHONPATH=tests/signal_at, Python imports this file at start-up, and when
 RLVR_SIGNAL_AT="module.function:N" is set, the process sends itself RLVR_SIGNAL_NAME (default SIGTERM) on the Nth
 call of that function of the project (before the call runs), only on the rank RLVR_SIGNAL_RANK (default: every
-process). The time of the
-signal, and of the process's normal exit, are appended to RLVR_SIGNAL_LOG ("signal <t>", "exit <t>").
+process). The time of the signal, and of the process's normal exit, are appended to RLVR_SIGNAL_LOG ("signal <t>",
+"exit <t>").
 Nothing here is imported by the project itself."""
 
 import atexit
