@@ -17,6 +17,7 @@
 # Every log and JSON goes under $OUT when set, else bench/out: env.txt, <part>.log, parts.tsv, throughput.json
 # (and the trainers' logs under $OUT/work).
 # --tiny: the same parts on the CPU with the tiny model at toy sizes (what tests/test_bench.py rehearses).
+# PYTHON: the interpreter (default python3; the tests pass their fork server's, tests/forkserver.py).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 out=${OUT:-bench/out}
@@ -43,13 +44,14 @@ fi
 parts=",${PARTS:-a,b,c,d,e,f},"
 json="$out/throughput.json"
 rm -f "$out/parts.tsv" "$json"
-tp=(python3 bench/throughput.py "${bench[@]}" --merge --out "$json" --work-dir "$out/work")
+py=${PYTHON:-python3}
+tp=("$py" bench/throughput.py "${bench[@]}" --merge --out "$json" --work-dir "$out/work")
 
 {
-  timeout 20 python3 -c 'import sys, torch, transformers
+  timeout 20 "$py" -c 'import sys, torch, transformers
 print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__,
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")'
-  python3 -c 'import trl; print("trl", trl.__version__)' 2>/dev/null || echo "trl: not importable (the TRL comparison is skipped)"
+  "$py" -c 'import trl; print("trl", trl.__version__)' 2>/dev/null || echo "trl: not importable (the TRL comparison is skipped)"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null || true
 } 2>&1 | tee "$out/env.txt"
 
@@ -65,15 +67,15 @@ part() {
   echo "part $name: exit $rc after $((SECONDS - t)) s" | tee -a "$out/$name.log"
 }
 
-part a_probe "${T_A:-30}" python3 bench/probe_rng.py "$json"
-part b_tests "${T_B:-150}" python3 -m pytest tests/test_engine.py -k cuda -q -x -p no:cacheprovider
+part a_probe "${T_A:-30}" "$py" bench/probe_rng.py "$json"
+part b_tests "${T_B:-150}" "$py" -m pytest tests/test_engine.py -k cuda -q -x -p no:cacheprovider
 part c_generate "${T_C:-150}" "${tp[@]}" --sections generate --variants engine,engine_no_compile
 # shellcheck disable=SC2086  # BENCH_ARGS: extra flags, split into words on purpose
 part d_train "${T_D:-240}" "${tp[@]}" --sections grpo,ppo,toy "${rise[@]}" ${BENCH_ARGS:-}
 part e_trl "${T_E:-150}" "${tp[@]}" --sections trl
 part f_rest "${T_F:-180}" "${tp[@]}" --sections sdpa,check,generate,eval --variants hf_dynamic
 
-python3 bench/throughput.py --table-from "$json" 2>&1 | tee "$out/table.txt"
+"$py" bench/throughput.py --table-from "$json" 2>&1 | tee "$out/table.txt"
 failed=$(awk '$2 != 0 {print $1}' "$out/parts.tsv" | tr '\n' ' ')
 [ -z "$failed" ] || echo "parts that did not finish cleanly: $failed"
 [ -z "$failed" ]

@@ -2,6 +2,10 @@
 run_in_process: main() with its argv, every global it changes restored after), and read what it wrote.
 Imported by the end-to-end tests.
 
+A subprocess starts through the session's fork server (python(): tests/forkserver.py, torch and transformers
+imported once) unless it passes fresh=True: a new interpreter, for a test whose point is the process itself.
+RLVR_TEST_FORKSERVER=0 makes every subprocess a new interpreter (to check that the server changes no result).
+
 Kept out of conftest.py on purpose: plain functions, no fixtures, so that it merges with any conftest.
 """
 
@@ -70,14 +74,41 @@ def cli(run_dir: Path | str, base: dict | None = None, **flags) -> list[str]:
     return out
 
 
-def command(script: str, args: list[str]) -> list[str]:
-    return [sys.executable, str(REPO / script), *args]
+_SERVER: list = []  # the session's fork server, once started (or the reason it could not start)
 
 
-def run_trainer(script: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python script args` from the repository root; returns the finished process (never raises on rc)."""
+def python(fresh: bool = False) -> str:
+    """The interpreter for a test's subprocess: the fork server's launcher (its child has torch and transformers
+    imported already, ~0.1 s to start instead of ~5 s; tests/forkserver.py says what it shares and how it falls
+    back), or sys.executable with fresh=True: a new interpreter, where the fresh process is the point (the
+    warnings a user sees on stderr, the pid in a lock, a fresh run compared with an in-process one)."""
+    if fresh or os.environ.get("RLVR_TEST_FORKSERVER") == "0":
+        return sys.executable
+    if not _SERVER:
+        import atexit
+        import tempfile
+
+        import forkserver
+
+        server = forkserver.Server(tempfile.mkdtemp(prefix="rlvr-forkserver-"), trainer_env())
+        atexit.register(server.close)
+        _SERVER.append(server)
+    server = _SERVER[0]
+    if not server.wait_ready():
+        warnings.warn(f"{server.error}; the tests' subprocesses start new interpreters (slower)", stacklevel=2)
+        return sys.executable
+    return server.launcher
+
+
+def command(script: str, args: list[str], fresh: bool = False) -> list[str]:
+    return [python(fresh), str(REPO / script), *args]
+
+
+def run_trainer(script: str, args: list[str], timeout: float = 300, fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run `python script args` from the repository root; returns the finished process (never raises on rc).
+    fresh: a new interpreter rather than the fork server's child (python())."""
     return subprocess.run(
-        command(script, args), cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout
+        command(script, args, fresh), cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -176,8 +207,8 @@ def run_here(script: str, args: list[str], threads: int | None = None) -> subpro
 
 
 def run_sweep(*args: str | Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """./sweep.sh ARGS from the repository root, with this interpreter as the trainers' python."""
-    env = {**trainer_env(), "PYTHON": sys.executable, **(env or {})}
+    """./sweep.sh ARGS from the repository root, with python() as the trainers' python."""
+    env = {**trainer_env(), "PYTHON": python(), **(env or {})}
     return subprocess.run(
         ["bash", str(REPO / "sweep.sh"), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout,
@@ -201,10 +232,14 @@ def assert_rises(values: list[float], by: float, to: float, what: str = "reward"
     assert last >= first + by and last >= to, f"{what} did not rise: {[round(v, 2) for v in values]}"
 
 
-def start_trainer(script: str, args: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start a trainer in the background, stdout and stderr into the open file `log` (a pipe could fill up)."""
+def start_trainer(
+    script: str, args: list[str], log, env: dict[str, str] | None = None, fresh: bool = False
+) -> subprocess.Popen:
+    """Start a trainer in the background, stdout and stderr into the open file `log` (a pipe could fill up).
+    fresh: a new interpreter rather than the fork server's child (python())."""
+    cmd = command(script, args, fresh)
     env = dict(trainer_env(), **(env or {}))
-    return subprocess.Popen(command(script, args), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def signal_at(at: str, log: Path, rank: int | None = None, name: str = "SIGTERM") -> dict[str, str]:

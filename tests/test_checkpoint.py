@@ -167,8 +167,12 @@ def test_a_damaged_checkpoint_is_refused_and_left_in_place(finished_run, tmp_pat
     ckpt = run_dir / checkpoint.CHECKPOINT
     DAMAGE[damage](ckpt)
     before = tree_digest(run_dir)
-    run = run_trainer if damage in SUBPROCESS else run_here  # a fresh process for a few: stderr as a user sees it
-    line = check_one_error_line(run("ppo.py", cli(run_dir, **SMALL_RUN, resume=True)))
+    args = cli(run_dir, **SMALL_RUN, resume=True)
+    if damage in SUBPROCESS:  # a new interpreter for a few: stderr as a user sees it
+        proc = run_trainer("ppo.py", args, fresh=True)
+    else:
+        proc = run_here("ppo.py", args)
+    line = check_one_error_line(proc)
     assert str(ckpt) in line and "damaged" in line
     assert tree_digest(run_dir) == before
 

@@ -28,7 +28,7 @@ def untimed(run_dir) -> list[dict]:
 def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, monkeypatch):
     fresh = tmp_path / "fresh"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the fresh process's threads, as threads=1 below
-    check_ok(run_trainer("ppo.py", cli(fresh, **RUN)))
+    check_ok(run_trainer("ppo.py", cli(fresh, **RUN), fresh=True))  # a new interpreter, not the fork server's
     torch.set_num_threads(2)
     random.seed(7)
     torch.manual_seed(7)

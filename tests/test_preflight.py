@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_one_error_line, trainer_env
+from helpers import REPO, check_one_error_line, python, trainer_env
 
 import common
 import preflight
@@ -22,7 +21,7 @@ FIELDS = ("pass_rate", "signal", "informative", "prompts", "samples_per_prompt",
 
 
 def sweep(*args: str | Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**trainer_env(), "PYTHON": sys.executable, **(env or {})}
+    env = {**trainer_env(), "PYTHON": python(), **(env or {})}
     return subprocess.run(
         ["bash", str(REPO / "sweep.sh"), *map(str, args)],
         cwd=REPO,
@@ -171,7 +170,7 @@ def test_a_model_that_cannot_be_fetched_is_one_error_line(tmp_path):
 
 def test_the_trainers_print_their_settings_without_loading_anything(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "grpo.py", "--model", "tiny", "--scale", "cpu", "--group-size", "3", "--run-dir",
+        [python(), "grpo.py", "--model", "tiny", "--scale", "cpu", "--group-size", "3", "--run-dir",
          str(tmp_path / "r"), "--print-args"],
         cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, check_ok, check_one_error_line, run_here, run_sweep, trainer_env, tree_digest
+from helpers import REPO, check_ok, check_one_error_line, python, run_here, run_sweep, trainer_env, tree_digest
 
 import checkpoint
 import runtime
@@ -263,7 +263,7 @@ def test_slurm_submits_one_array_task_per_run(tmp_path):
     # task 0 is h2h's GRPO run (the budget's reference): run it as an array task would
     run = subprocess.run(
         ["bash", str(out / "slurm" / "task.sh")],
-        env={**trainer_env(), "PYTHON": sys.executable, "SLURM_ARRAY_TASK_ID": "0"},
+        env={**trainer_env(), "PYTHON": python(), "SLURM_ARRAY_TASK_ID": "0"},
         capture_output=True,
         text=True,
         timeout=300,
