@@ -15,12 +15,18 @@ sys.path.insert(0, str(ROOT))  # import common, engine, runtime, critics from th
 os.environ.setdefault("GSM8K_DIR", str(ROOT / ".." / "shared" / "data" / "gsm8k"))
 
 
+def pytest_configure(config):
+    import background
+
+    config.pluginmanager.register(background.Plugin(), "rlvr-background")
+
+
 def pytest_sessionstart(session):
     """pytest's own process as the tests' subprocesses run (helpers.trainer_env): glibc's malloc keeps what torch
     frees for reuse, rather than mapping every large tensor (a step's logits) afresh and faulting its pages in
     (a tiny PPO run spent a third of its time in the kernel doing that: 5.9 s of 16.4; 1.1 s of 12.2 without), and
     torch on one thread. The tiny model gains little from a second (and two threads spin while they wait), and the
-    other core runs what pytest waits for: the early runs (early_runs), a torchrun's ranks, a trainer subprocess."""
+    other core runs the background pytest (tests/background.py), a torchrun's ranks, a trainer subprocess."""
     import ctypes
 
     import torch
@@ -29,6 +35,9 @@ def pytest_sessionstart(session):
     libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap, so MALLOC_MMAP_MAX_=0 as trainer_env sets it
     libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: MALLOC_TRIM_THRESHOLD_
     torch.set_num_threads(1)
+    from helpers import start_server
+
+    start_server()  # the fork server imports torch and transformers while pytest collects the tests
 
 
 @pytest.fixture(scope="session")
@@ -56,42 +65,28 @@ def finished_run(tmp_path_factory):
     return run_dir
 
 
-@pytest.fixture(scope="session", autouse=True)
-def early_runs(request, tmp_path_factory):
-    """The long runs that the selected tests only read (marked `@pytest.mark.early(key)`: the smoke sweep, the
-    learning runs), started in the background as the session starts, one at a time (helpers.EarlyRuns): pytest's
-    own process runs torch on one thread, and these use the other core."""
-    from helpers import EarlyRuns
-
-    runs = EarlyRuns(tmp_path_factory)
-    for item in request.session.items:
-        for mark in item.iter_markers("early"):
-            make = SMOKE_SWEEP if mark.args[0] == "smoke-sweep" else item.module.EARLY[mark.args[0]]
-            runs.add(mark.args[0], make)
-    runs.start()
-    yield runs
-    runs.close()
-
-
-def SMOKE_SWEEP(folder: Path) -> list[list]:
-    return [["bash", "sweep.sh", "--smoke", "--out", folder / "smoke"]]
-
-
 @pytest.fixture(scope="session")
-def smoke_sweep(early_runs):
-    """`./sweep.sh --smoke` once per session (about half a minute on 2 cores), started early: (its OUT folder, the
-    finished process, seconds). Tests read it, and copy what they change; a test that uses it is slow by nature."""
-    from helpers import check_ok
+def smoke_sweep(tmp_path_factory):
+    """`./sweep.sh --smoke` once per session (about half a minute on 2 cores): (its OUT folder, the finished
+    process, seconds). Tests read it, and copy what they change; a test that uses it is slow by nature, and runs
+    in the background process (tests/background.py) with the others that read it."""
+    import time
 
-    (proc,), folder, seconds = early_runs.result("smoke-sweep", SMOKE_SWEEP)
+    from helpers import check_ok, run_sweep
+
+    out = tmp_path_factory.mktemp("sweep") / "smoke"
+    t0 = time.time()
+    proc = run_sweep("--smoke", "--out", out)
+    seconds = time.time() - t0
     check_ok(proc)
-    return folder / "smoke", proc, seconds
+    return out, proc, seconds
 
 
 # Tests of 2.5 s or more (2 idle cores, 2026-12-02: the fast lane took 323 s with them) that the fast lane leaves
 # out because another test in it covers the same path: one stop-signal place of five, one trainer of three, one
 # critic of five in each kind of end-to-end test stays in. The full suite (CI) runs them all.
 SLOW_TOO = {
+    "test_faults.py::test_a_damaged_tokenizer_cache_is_named_moved_aside_and_rebuilt": "a real GGUF conversion, 27 s",
     "test_preflight.py::test_the_toy_task_passes_the_preflight_and_writes_its_json": "trainer subprocesses, 11 s",
     "test_generation.py::test_greedy_matches_transformers_generate_smollm2": "the packaged model, 10 s",
     "test_preflight.py::test_gsm8k_on_the_tiny_model_is_refused_and_a_sweep_stops_before_any_run_folder_exists": "9 s",
@@ -127,11 +122,11 @@ SLOW_TOO = {
 
 def pytest_collection_modifyitems(config, items):
     """Slow: a test that reads the smoke sweep (the sweep is minutes), whichever file it is in, and SLOW_TOO.
-    Early: the smoke sweep's readers start it as the session starts."""
+    Background: the smoke sweep's readers, so that it runs once, in the background pytest (tests/background.py)."""
     for item in items:
         if "smoke_sweep" in getattr(item, "fixturenames", ()):  # directly or through another fixture
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.early("smoke-sweep"))
+            item.add_marker(pytest.mark.background)
         name = item.nodeid.split("/")[-1]
         if any(name.startswith(prefix) for prefix in SLOW_TOO):
             item.add_marker(pytest.mark.slow)

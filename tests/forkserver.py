@@ -41,9 +41,10 @@ import time
 
 # The heavy third-party modules a trainer, report.py, preflight.py or the benchmark imports; the server imports
 # them once. Never a project module: each child imports those itself, so their module state is fresh and a test's
-# import hook (tests/signal_at) still sees them load.
+# import hook (tests/signal_at) still sees them load. Nor a module a child runs with -m (torch.distributed.run:
+# its launcher API instead): runpy would warn that it was imported before it ran.
 WARM = [
-    "numpy", "torch", "torch.nn.functional", "torch.distributed", "torch.distributed.run", "torch.distributed.tensor",
+    "numpy", "torch", "torch.nn.functional", "torch.distributed", "torch.distributed.launcher.api", "torch.distributed.tensor",
     "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
     "torch.utils.tensorboard", "safetensors.torch", "tyro", "tqdm.auto", "transformers", "tokenizers",
     "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
@@ -391,24 +392,31 @@ class Server:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, cwd=folder,
             )  # fmt: skip
         self.error: str | None = None
+        self.ready: bool | None = None
 
     def wait_ready(self, timeout: float = 120) -> bool:
-        if self.error is None and not os.path.exists(self.socket):
+        """Whether the server is up: its imports done, and silent (a new interpreter's would be too)."""
+        if self.ready is None:
             ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
             line = self.proc.stdout.readline() if ready else b""
-            noise = open(self.log).read()
-            if line.strip() != b"ready" or noise:
+            with open(self.log) as f:
+                noise = f.read()
+            self.ready = line.strip() == b"ready" and not noise
+            if not self.ready:
                 self.error = f"the fork server did not start cleanly: {line!r} {noise[-2000:]!r}"
                 self.close()
-        return self.error is None
+        return self.ready
 
     def close(self) -> None:
+        import shutil
+
         if self.proc.poll() is None:
             self.proc.stdin.close()  # the server kills what is left and exits
             try:
                 self.proc.wait(timeout=30)
             except Exception:
                 self.proc.kill()
+        shutil.rmtree(os.path.dirname(self.socket), ignore_errors=True)
 
 
 def main(argv: list[str]) -> None:

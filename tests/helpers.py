@@ -59,9 +59,13 @@ MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
 
 def trainer_env() -> dict[str, str]:
-    env = dict(os.environ, GSM8K_DIR=require_gsm8k_dir(), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **MALLOC)
+    env = dict(_base_env(), GSM8K_DIR=require_gsm8k_dir())
     env.pop("RANK", None)  # one process, whatever the test runner's environment says
     return env
+
+
+def _base_env() -> dict[str, str]:
+    return dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **MALLOC)
 
 
 def cli(run_dir: Path | str, base: dict | None = None, **flags) -> list[str]:
@@ -79,25 +83,34 @@ def cli(run_dir: Path | str, base: dict | None = None, **flags) -> list[str]:
     return out
 
 
-_SERVER: list = []  # the session's fork server, once started (or the reason it could not start)
+_SERVER: list = []  # the session's fork server, once started
+
+
+def start_server() -> None:
+    """Start the session's fork server (tests/forkserver.py), not waiting for it: conftest does so as the session
+    starts, so that its imports overlap the collection of the tests."""
+    if not _SERVER and os.environ.get("RLVR_TEST_FORKSERVER") != "0" and not os.environ.get("RLVR_TEST_PYTHON"):
+        import atexit
+        import tempfile
+
+        import forkserver
+
+        server = forkserver.Server(tempfile.mkdtemp(prefix="rlvr-forkserver-"), _base_env())
+        atexit.register(server.close)
+        _SERVER.append(server)
 
 
 def python(fresh: bool = False) -> str:
     """The interpreter for a test's subprocess: the fork server's launcher (its child has torch and transformers
     imported already, ~0.1 s to start instead of ~5 s; tests/forkserver.py says what it shares and how it falls
     back), or sys.executable with fresh=True: a new interpreter, where the fresh process is the point (the
-    warnings a user sees on stderr, the pid in a lock, a fresh run compared with an in-process one)."""
+    warnings a user sees on stderr, the pid in a lock, a fresh run compared with an in-process one).
+    RLVR_TEST_FORKSERVER=0: always sys.executable."""
     if fresh or os.environ.get("RLVR_TEST_FORKSERVER") == "0":
         return sys.executable
-    if not _SERVER:
-        import atexit
-        import tempfile
-
-        import forkserver
-
-        server = forkserver.Server(tempfile.mkdtemp(prefix="rlvr-forkserver-"), trainer_env())
-        atexit.register(server.close)
-        _SERVER.append(server)
+    if os.environ.get("RLVR_TEST_PYTHON"):  # the background pytest: its session's launcher (tests/background.py)
+        return os.environ["RLVR_TEST_PYTHON"]
+    start_server()
     server = _SERVER[0]
     if not server.wait_ready():
         warnings.warn(f"{server.error}; the tests' subprocesses start new interpreters (slower)", stacklevel=2)
@@ -336,93 +349,3 @@ def copy_run(src: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(src, dst)
     return dst
-
-
-# ------------------------------------------------------------------------------------------------------
-# Runs started early: long runs that a few tests only read (the smoke sweep, the learning runs) start in the
-# background when the session starts, one at a time, on the core pytest's own process leaves free
-# ------------------------------------------------------------------------------------------------------
-
-
-class EarlyRuns:
-    """The session's early runs (conftest.early_runs). A test marked `@pytest.mark.early(key)` names one; its
-    module's EARLY[key] is a function (folder) -> the commands to run there, one after another, from the
-    repository root with the trainers' environment and one torch thread each (a command may be a pair: argv and
-    the variables it adds), "python" meaning python() and "python-fresh" a new interpreter (sys.executable).
-    `result(key, make)` waits for them (or, when they have not started yet, runs them here and now) and returns
-    (their finished processes, the folder, the seconds they took)."""
-
-    def __init__(self, tmp_path_factory) -> None:
-        import queue
-        import threading
-
-        self.tmp, self.jobs, self.todo = tmp_path_factory, {}, queue.Queue()
-        self.lock = threading.Lock()
-        self.env = None
-        self.thread = threading.Thread(target=self._work, name="early-runs", daemon=True)
-
-    def add(self, key: str, make) -> None:
-        if key not in self.jobs:
-            self.jobs[key] = {"make": make, "state": "queued", "done": None, "result": None}
-            self.todo.put(key)
-
-    def start(self) -> None:
-        if self.jobs:
-            # computed here, in the main thread: a run in this process (run_here) changes os.environ while it lasts
-            self._environment()
-            self.thread.start()
-
-    def _environment(self) -> None:
-        self.python = python()
-        self.env = {**trainer_env(), "OMP_NUM_THREADS": "1", "PYTHON": self.python}
-
-    def _claim(self, key: str) -> bool:
-        import threading
-
-        with self.lock:
-            job = self.jobs[key]
-            if job["state"] != "queued":
-                return False
-            job["state"], job["done"] = "running", threading.Event()
-            return True
-
-    def _run(self, key: str) -> None:
-        job = self.jobs[key]
-        folder, t0 = self.tmp.mktemp(key), time.time()
-        try:
-            procs = []
-            for cmd in job["make"](folder):
-                cmd, extra = cmd if isinstance(cmd, tuple) else (cmd, {})
-                names = {"python": self.python, "python-fresh": sys.executable}
-                cmd = [names.get(c, c) if isinstance(c, str) else str(c) for c in cmd]
-                env = {**self.env, **extra}
-                procs.append(subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900))
-            job["result"] = (procs, folder, time.time() - t0)
-        except BaseException as e:  # handed to the test that reads it
-            job["result"] = e
-        finally:
-            job["done"].set()
-
-    def _work(self) -> None:
-        while True:
-            key = self.todo.get()
-            if key is None:
-                return
-            if self._claim(key):
-                self._run(key)
-
-    def result(self, key: str, make) -> tuple[list[subprocess.CompletedProcess], Path, float]:
-        if key not in self.jobs:  # not marked early: run it now
-            self.jobs[key] = {"make": make, "state": "queued", "done": None, "result": None}
-        if self.env is None:
-            self._environment()
-        if self._claim(key):
-            self._run(key)
-        self.jobs[key]["done"].wait()
-        result = self.jobs[key]["result"]
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def close(self) -> None:
-        self.todo.put(None)

@@ -31,6 +31,7 @@ def _env() -> dict:
     return {**trainer_env(), "PYTHON": python()}
 
 
+@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_run_gpu_flow_tiny_cpu_keeps_the_parts_before_one_killed_by_its_limit(tmp_path):
     """Every part of run_gpu.sh on the CPU; part d (the trainers) is killed by a 3 s limit: the numbers of

@@ -237,6 +237,7 @@ def load_final(run_dir: Path) -> tuple[dict, dict]:
     return load_file(ckpt / "policy" / "model.safetensors"), load_file(ckpt / "critic.safetensors")
 
 
+@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"

@@ -64,7 +64,7 @@ RUNS = {  # trainer, flags: every trainer, the MC measurement, both DPO regimes,
 }  # fmt: skip
 REL_TOL = 2e-5  # max |one - two| / max |one| per tensor, fp32 (measured: ~3e-6 and below)
 
-pytestmark = pytest.mark.slow  # torchrun: two processes and their start-up per test
+pytestmark = [pytest.mark.slow, pytest.mark.background]  # torchrun: in the second pytest process (tests/background.py)
 
 
 @pytest.fixture(scope="module")

@@ -256,17 +256,9 @@ def pooled(rows: list[dict], key: str) -> float:
     return sum(r[key] * r["pairs"] for r in rows) / sum(r["pairs"] for r in rows)
 
 
-DPO_LEARN = dict(pairs="self", online=True, task="toy", total_steps=32, batch_size=8, samples_per_prompt=8,
-                 max_new_tokens=2, lr=1e-2, micro_batch_size=8, eval_size=4, test_size=4, eval_max_new_tokens=2,
-                 scale="study")  # fmt: skip
-# three seeds, run early, in the background, with one torch thread (conftest.early_runs)
-EARLY = {"dpo-learn": lambda folder: [["python", "dpo.py", *cli(folder / f"s{seed}", DPO_TINY, seed=seed, **DPO_LEARN)]
-                                      for seed in (1, 2, 3)]}  # fmt: skip
-
-
+@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
-@pytest.mark.early("dpo-learn")
-def test_preference_and_reward_rise_on_the_toy_task(early_runs):
+def test_preference_and_reward_rise_on_the_toy_task(tmp_path):
     """Online self pairs on the toy task (reward 1 when a 2-token completion holds a token id divisible by 16,
     ~0.11 at the start): K = 8 samples of 8 new training prompts a step, one correct and one incorrect a prompt.
 
@@ -279,11 +271,25 @@ def test_preference_and_reward_rise_on_the_toy_task(early_runs):
     1.16 -> 1.51, accuracy 0.51 -> 0.54. (Offline pairs are memorised instead: their training accuracy reaches
     1.0 while held-out pairs sampled from the reference stay at chance, so the test measures the preference on
     fresh on-policy pairs.)"""
-    procs, folder, _ = early_runs.result("dpo-learn", EARLY["dpo-learn"])
+    flags = dict(
+        pairs="self",
+        online=True,
+        task="toy",
+        total_steps=32,
+        batch_size=8,
+        samples_per_prompt=8,
+        max_new_tokens=2,
+        lr=1e-2,
+        micro_batch_size=8,
+        eval_size=4,
+        test_size=4,
+        eval_max_new_tokens=2,
+        scale="study",
+    )
     first, last, early, late = [], [], [], []
-    for seed, proc in zip((1, 2, 3), procs, strict=True):
-        check_ok(proc)
-        run_dir = folder / f"s{seed}"
+    for seed in (1, 2, 3):
+        run_dir = tmp_path / f"s{seed}"
+        check_ok(run_here("dpo.py", cli(run_dir, DPO_TINY, seed=seed, **flags)))
         rows = [r for r in read_metrics(run_dir) if "loss" in r]
         assert len(rows) == 32
         for r in rows:

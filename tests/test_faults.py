@@ -367,14 +367,14 @@ def test_the_memory_estimate_is_made_again_with_the_longest_prompt(monkeypatch):
 # ------------------------------------------------------------------------------------------------------
 
 
-def damaged_cache(tmp_path: Path, setenv) -> Path:
-    """A temporary RLVR_CACHE (set with setenv) holding the packaged model's conversion with a truncated
-    tokenizer.json (the small files copied from the real cache; the weights are not needed to load a tokenizer)."""
+def _damaged_cache(tmp_path: Path, monkeypatch) -> Path:
+    """A temporary RLVR_CACHE holding the packaged model's conversion with a truncated tokenizer.json (the
+    small files copied from the real cache; the weights are not needed to load a tokenizer)."""
     import shutil
 
     real = models.resolve_model(models.PACKAGED_MODEL)  # the primed cache's folder
     cache = tmp_path / "cache"
-    setenv("RLVR_CACHE", str(cache))
+    monkeypatch.setenv("RLVR_CACHE", str(cache))
     folder = cache / real.name
     folder.mkdir(parents=True)
     for p in real.iterdir():
@@ -386,38 +386,20 @@ def damaged_cache(tmp_path: Path, setenv) -> Path:
     return folder
 
 
-# The rebuild is a real conversion of the packaged GGUF (~25 s on one core): run early, in the background
-# (conftest.early_runs), as a process that damages its own cache and loads the tokenizer through it.
-REBUILD = """
-import os, sys
-from pathlib import Path
-sys.path.insert(0, "tests")
-import models
-from test_faults import damaged_cache
-folder = damaged_cache(Path(sys.argv[1]), os.environ.__setitem__)
-tok = models.load_tokenizer(models.TINY_MODEL)
-print("folder", folder)
-print("tokenizes", tok.pad_token_id is not None and len(tok("How many apples?")["input_ids"]) > 0)
-"""
-EARLY = {"tokenizer-rebuild": lambda folder: [["python", "-c", REBUILD, folder]]}
-
-
-@pytest.mark.slow
-@pytest.mark.early("tokenizer-rebuild")
-def test_a_damaged_tokenizer_cache_is_named_moved_aside_and_rebuilt(early_runs):
-    (proc,), _, _ = early_runs.result("tokenizer-rebuild", EARLY["tokenizer-rebuild"])
-    check_ok(proc)
-    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if line.startswith(("folder ", "tokenizes ")))
-    folder = Path(lines["folder"])
-    assert lines["tokenizes"] == "True"
-    assert f"the cached conversion {folder} is damaged" in proc.stdout, proc.stdout
+@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
+def test_a_damaged_tokenizer_cache_is_named_moved_aside_and_rebuilt(tmp_path, monkeypatch, capsys):
+    folder = _damaged_cache(tmp_path, monkeypatch)
+    tok = models.load_tokenizer(models.TINY_MODEL)
+    assert tok.pad_token_id is not None and len(tok("How many apples?")["input_ids"]) > 0
+    out = capsys.readouterr().out
+    assert f"the cached conversion {folder} is damaged" in out, out
     (aside,) = folder.parent.glob(f"{folder.name}.damaged-*")
     assert len((aside / "tokenizer.json").read_bytes()) < len((folder / "tokenizer.json").read_bytes())
     assert (folder / "model.safetensors").is_file(), "not rebuilt"
 
 
 def test_a_cache_still_damaged_after_the_rebuild_is_refused_with_the_command_that_clears_it(tmp_path, monkeypatch):
-    folder = damaged_cache(tmp_path, monkeypatch.setenv)
+    folder = _damaged_cache(tmp_path, monkeypatch)
     damaged = tmp_path / "copy"
     import shutil
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_ok, cli, read_metrics, run_here
+from helpers import check_ok, cli, read_metrics, run_here, run_trainer
 
 import checkpoint
 import runtime
@@ -24,17 +24,12 @@ def untimed(run_dir) -> list[dict]:
     return [{k: v for k, v in row.items() if not any(t in k for t in TIMES)} for row in read_metrics(run_dir)]
 
 
-# the fresh process: a new interpreter (not the fork server's child) on one thread (as threads=1 below), run early,
-# in the background (conftest.early_runs)
-EARLY = {"fresh-ppo": lambda folder: [["python-fresh", "ppo.py", *cli(folder / "fresh", **RUN)]]}
-
-
+@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
-@pytest.mark.early("fresh-ppo")
-def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, early_runs):
-    (proc,), folder, _ = early_runs.result("fresh-ppo", EARLY["fresh-ppo"])
-    check_ok(proc)
-    fresh = folder / "fresh"
+def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, monkeypatch):
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the fresh process's threads, as threads=1 below
+    check_ok(run_trainer("ppo.py", cli(fresh, **RUN), fresh=True))  # a new interpreter, not the fork server's
     torch.set_num_threads(2)
     random.seed(7)
     torch.manual_seed(7)

@@ -85,30 +85,37 @@ def test_recompute_logprobs_takes_old_logprobs_and_full_critic_values_from_the_t
     assert rows[True]["vf_loss"] == pytest.approx(rows[False]["vf_loss"], rel=1e-5)
 
 
-# The toy task: reward 1 when a completion of 4 tokens holds a token id divisible by 16 (~0.2 at the start).
-# At lr 3e-3 the climb is slow enough that the CPU's floating-point path decides the outcome (0.19 -> 0.38
-# in 30 steps on one machine, past 0.6 on another). At 1e-2 (grpo.py's learning test), measured with
-# OMP_NUM_THREADS 1 and 2: the small critic reaches 1.0 by step 9-11, then over-steps (approx_kl 1e6) at step
-# 25 or 29, reward back to 0.16-0.56; none climbs slowest with one thread (0.78 at step 20, 0.94 at 22).
-# 22 steps sit between: the last five's mean was 0.83-1.0 (criterion 0.6), the rise 0.65-0.78 (criterion 0.3).
-# No Monte Carlo measurement (a third of the run's time): it draws its own uniforms (stream 1) and trains
-# nothing, so the rewards are the same with it, bitwise (checked for critic none, 2026-12-02).
-LEARN = dict(seed=1, task="toy", total_steps=22, batch_size=32, max_new_tokens=4, lr=1e-2, kl_coef=0,
-             micro_batch_size=32, num_minibatches=2, mc_every=0, eval_size=16, test_size=16, eval_max_new_tokens=4,
-             scale="study")  # fmt: skip
-# run early, in the background, with one torch thread (conftest.early_runs)
-EARLY = {f"ppo-learn-{c}": lambda folder, c=c: [["python", "ppo.py", *cli(folder / "run", **LEARN, critic=c)]]
-         for c in ("none", "small")}  # fmt: skip
-
-
+@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "critic", [pytest.param(c, marks=pytest.mark.early(f"ppo-learn-{c}")) for c in ("none", "small")]
-)
-def test_reward_rises_on_the_toy_task(early_runs, critic):
-    (proc,), folder, _ = early_runs.result(f"ppo-learn-{critic}", EARLY[f"ppo-learn-{critic}"])
-    check_ok(proc)
-    rewards = [r["reward"] for r in step_rows(folder / "run")]
+@pytest.mark.parametrize("critic", ["none", "small"])
+def test_reward_rises_on_the_toy_task(tmp_path, critic):
+    # The toy task: reward 1 when a completion of 4 tokens holds a token id divisible by 16 (~0.2 at the start).
+    # At lr 3e-3 the climb is slow enough that the CPU's floating-point path decides the outcome (0.19 -> 0.38
+    # in 30 steps on one machine, past 0.6 on another). At 1e-2 (grpo.py's learning test), measured with
+    # OMP_NUM_THREADS 1 and 2: the small critic reaches 1.0 by step 9-11, then over-steps (approx_kl 1e6) at step
+    # 25 or 29, reward back to 0.16-0.56; none climbs slowest with one thread (0.78 at step 20, 0.94 at 22).
+    # 22 steps sit between: the last five's mean was 0.83-1.0 (criterion 0.6), the rise 0.65-0.78 (criterion 0.3).
+    # No Monte Carlo measurement (a third of the run's time): it draws its own uniforms (stream 1) and trains
+    # nothing, so the rewards are the same with it, bitwise (checked for critic none, 2026-12-02).
+    flags = dict(
+        seed=1,
+        task="toy",
+        critic=critic,
+        total_steps=22,
+        batch_size=32,
+        max_new_tokens=4,
+        lr=1e-2,
+        kl_coef=0,
+        micro_batch_size=32,
+        num_minibatches=2,
+        mc_every=0,
+        eval_size=16,
+        test_size=16,
+        eval_max_new_tokens=4,
+        scale="study",
+    )
+    check_ok(run_here("ppo.py", cli(tmp_path / "run", **flags)))
+    rewards = [r["reward"] for r in step_rows(tmp_path / "run")]
     assert len(rewards) == 22
     assert_rises(rewards, by=0.3, to=0.6)
 

@@ -242,6 +242,7 @@ def test_report_names_a_damaged_results_json_and_skips_it(smoke, tmp_path):
     assert bad.read_text() == "[]"  # the report reads; only the sweep sets files aside
 
 
+@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_slurm_submits_one_array_task_per_run(tmp_path):
     """A stand-in sbatch records its calls; then one array task runs for real, as SLURM would start it."""
