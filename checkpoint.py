@@ -15,8 +15,8 @@ What a checkpoint promises:
   folder and leaves the previous checkpoint as it was.
 
 What it does not hold: metrics.jsonl, results.json and DPO's pairs.jsonl (beside it in the run folder); the
-data (only the position in it, and its fingerprint: common.data_record); the reference model (rebuilt from --model); the code's version. The manifest
-checks integrity, not origin: it is not signed.
+data (only the position in it, and its fingerprint: common.data_record); the reference model (rebuilt from
+--model); the code's version. The manifest checks integrity, not origin: it is not signed.
 Also here: the run folder: its checks before a run starts (prepare_run_dir: no symbolic links, no run
 overwritten), its lock (RunLock), and what a stopped run says next. The errors and the collectives are
 runtime.py's; this module imports runtime and nothing above it.
