@@ -35,7 +35,7 @@ class Background:
     """The second process: started with the node ids of its tests; `reports(nodeid)` waits for one's reports."""
 
     def __init__(self, config, nodeids: list[str]) -> None:
-        from helpers import REPO, python
+        from helpers import python
 
         folder = tempfile.mkdtemp(prefix="rlvr-background-")
         self.reports_path, self.log_path = os.path.join(folder, "reports.jsonl"), os.path.join(folder, "pytest.log")
@@ -46,7 +46,13 @@ class Background:
         env = {**os.environ, REPORTS: self.reports_path, "RLVR_TEST_PYTHON": python()}
         self.started, self.count, self.seen = time.time(), len(nodeids), {}
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=config.rootpath,  # node ids are relative to it
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.offset = 0
 
     def _read(self) -> None:
