@@ -204,7 +204,25 @@ def _why_not(request: dict, server_env: dict, imported: dict, free: set[str]) ->
     return None
 
 
-def _become(request: dict, fds: list[int], server_path: list[str], launcher: str):
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this process when the server ends (Linux's PR_SET_PDEATHSIG): a server that dies,
+    however, leaves no child running without it. Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the server ended before the request took effect
+        os._exit(1)
+
+
+def real_executable() -> str:
+    """The interpreter itself, also in a child (whose sys.executable is the launcher): for a fresh process."""
+    return getattr(sys, "_forkserver_real_executable", sys.executable)
+
+
+def _become(request: dict, fds: list[int], server_path: list[str], launcher: str, server_pid: int):
     """In the forked child: take the client's streams, folder, environment, argv and generators; returns the
     function that runs the target (called at the top level, so that an exception ends the process as it would
     end `python script`)."""
@@ -213,6 +231,7 @@ def _become(request: dict, fds: list[int], server_path: list[str], launcher: str
     import runpy
     import types
 
+    _die_with(server_pid)
     try:
         if request["group"] is None:
             os.setsid()  # the client leads its group, alone: a signal to it comes through the client
@@ -245,6 +264,7 @@ def _become(request: dict, fds: list[int], server_path: list[str], launcher: str
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(env)
+    sys._forkserver_real_executable = real_executable()
     sys.executable = launcher  # what the child starts with sys.executable (torchrun's ranks) comes here too
     extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     extra = [p for p in extra if p not in server_path]
@@ -281,6 +301,10 @@ def serve(path: str, launcher: str):
     """Import WARM, then fork a child per request until stdin closes. Returns only in a child: the target."""
     import importlib
 
+    # A Ctrl-C at the terminal reaches the whole process group: the server ends when the session closes its stdin
+    # (the session's own Ctrl-C handling kills what it started), not before, leaving its children unserved.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
     server_env, server_path = dict(os.environ), list(sys.path[1:])  # [0]: this file's folder, not the child's
     for name in WARM:
         importlib.import_module(name)
@@ -292,6 +316,7 @@ def serve(path: str, launcher: str):
     import torch
 
     free = set() if torch.version.cuda else {"CUDA_VISIBLE_DEVICES"}  # a CPU build of torch never reads it
+    server_pid = os.getpid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -324,7 +349,11 @@ def serve(path: str, launcher: str):
                 conn.close()
                 del live[conn]
         for conn in [c for c in ready if c in live]:  # a live child's client connection readable: it went away
-            if not conn.recv(1):
+            try:
+                gone = not conn.recv(1)
+            except OSError:  # reset: it left before reading what it was sent
+                gone = True
+            if gone:
                 _kill(live.pop(conn))  # not reaped yet, so the pid is still this child's
                 conn.close()
         if listener not in ready:
@@ -341,7 +370,10 @@ def serve(path: str, launcher: str):
             _log(f"fallback {request.get('argv', [])[:2]}: {why}")
             for fd in fds:
                 os.close(fd)
-            conn.sendall((json.dumps({"fallback": why}) + "\n").encode())
+            try:
+                conn.sendall((json.dumps({"fallback": why}) + "\n").encode())
+            except OSError:  # the client is gone already
+                pass
             conn.close()
             continue
         pid = os.fork()
@@ -349,7 +381,7 @@ def serve(path: str, launcher: str):
             listener.close()
             for c in [conn, *live]:
                 c.close()
-            return _become(request, fds, server_path, launcher)
+            return _become(request, fds, server_path, launcher, server_pid)
         _log(f"fork {pid} {request['argv'][:2]}")
         for fd in fds:
             os.close(fd)

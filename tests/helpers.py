@@ -107,7 +107,9 @@ def python(fresh: bool = False) -> str:
     warnings a user sees on stderr, the pid in a lock, a fresh run compared with an in-process one).
     RLVR_TEST_FORKSERVER=0: always sys.executable."""
     if fresh or os.environ.get("RLVR_TEST_FORKSERVER") == "0":
-        return sys.executable
+        import forkserver
+
+        return forkserver.real_executable()  # in the background pytest sys.executable is the launcher
     if os.environ.get("RLVR_TEST_PYTHON"):  # the background pytest: its session's launcher (tests/background.py)
         return os.environ["RLVR_TEST_PYTHON"]
     start_server()

@@ -166,3 +166,59 @@ def test_a_pythonpath_sitecustomize_runs_in_the_child(launcher, tmp_path):
         [launcher, "-c", code], env=env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True, cwd=REPO
     )
     assert proc.stdout.split() == ["True", "ran"], proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.background  # its own server: ~6 s of imports
+def test_the_server_outlives_ctrl_c_and_vanishing_clients_and_its_children_die_with_it(tmp_path):
+    """A Ctrl-C at the terminal reaches the server too (it is in the session's process group), and a client can
+    leave before it reads the server's reply: neither ends the server. A server that does end, however, takes its
+    children with it: nothing it started keeps running unserved."""
+    import socket
+    import tempfile
+
+    import forkserver
+
+    server = forkserver.Server(tempfile.mkdtemp(prefix="rlvr-forkserver-"), trainer_env())
+    try:
+        assert server.wait_ready(), server.error
+        server.proc.send_signal(signal.SIGINT)
+        for _ in range(3):  # clients that send a request (a fallback, then a fork) and leave without reading
+            for argv in (["-E", "-c", "pass"], ["-c", "import time; time.sleep(30)"]):
+                sock = socket.socket(socket.AF_UNIX)
+                sock.connect(server.socket)
+                request = {"argv": argv, "env": trainer_env(), "cwd": str(tmp_path), "session": os.getsid(0)}
+                forkserver._send(sock, {**request, "group": None}, [0, 1, 2])
+                sock.close()
+        time.sleep(1)
+        assert server.proc.poll() is None, open(server.log).read()
+        proc = subprocess.Popen(
+            [server.launcher, "-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)"],
+            env=env(), stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        child = int(proc.stdout.readline())
+        assert os.path.exists(f"/proc/{child}")
+        server.proc.kill()
+        deadline = time.time() + 10
+        while time.time() < deadline and os.path.exists(f"/proc/{child}") and "Z" not in _state(child):
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{child}") or "Z" in _state(child), "a child outlived its server"
+        assert proc.wait(timeout=30) != 0  # its launcher says so
+    finally:
+        server.close()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_fresh_is_a_new_interpreter_also_in_a_child(launcher):
+    """In a child of the server (the background pytest is one) sys.executable is the launcher: fresh=True must still
+    be the interpreter itself."""
+    code = "import sys; sys.path.insert(0, 'tests'); import helpers; print(helpers.python(fresh=True))"
+    proc = subprocess.run([launcher, "-c", code], env=env(), capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.stdout.strip() == sys.executable, proc.stderr
