@@ -61,8 +61,9 @@ def test_run_gpu_flow_tiny_cpu_keeps_the_parts_before_one_killed_by_its_limit(tm
     assert gen["hf_dynamic"]["tokens_per_s"] > 0
     assert "ran as: generate/engine " in proc.stdout
     started = [n for n in ("grpo", "ppo", "toy") if n in sec]  # part d's sections, in their order
-    if started:  # killed in the last one it started (not while loading): on the record as unfinished
-        assert "running" in sec[started[-1]] and "UNFINISHED" in proc.stdout
+    if started:  # killed in the last one it started: on the record as unfinished; or just after it finished
+        last = sec[started[-1]]
+        assert ("running" in last and "UNFINISHED" in proc.stdout) or ("section_s" in last and "running" not in last)
         assert not any("running" in sec[n] for n in started[:-1])  # the ones before it finished
     assert "trl" in sec and ("skipped" in sec["trl"] or sec["trl"].get("step_s"))
     # part f: the numerics and the SDPA kernels
