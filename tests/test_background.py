@@ -104,6 +104,7 @@ def test_outcomes_of_the_second_process_are_this_sessions(tmp_path):
     assert len(there) == 1 and here not in there
 
 
+@pytest.mark.slow  # the fast lane keeps the first test of this file
 def test_a_selection_of_one_kind_runs_in_this_process(tmp_path):
     proc, pids = session(tmp_path, CASES, "-k", "bg_passes or bg_fails")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -112,6 +113,7 @@ def test_a_selection_of_one_kind_runs_in_this_process(tmp_path):
     assert "in the background pytest" not in proc.stdout
 
 
+@pytest.mark.slow  # the fast lane keeps the first test of this file
 def test_rlvr_test_background_0_runs_everything_here(tmp_path):
     proc, pids = session(tmp_path, CASES, RLVR_TEST_BACKGROUND="0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -119,6 +121,7 @@ def test_rlvr_test_background_0_runs_everything_here(tmp_path):
     assert pid(pids, "bg_passes") == pid(pids, "fg_passes") == pid(pids, "bg_param_a_b") == pid(pids, "session")
 
 
+@pytest.mark.slow  # the fast lane keeps the first test of this file
 def test_a_second_process_that_dies_fails_what_it_owed(tmp_path):
     body = CASES.replace(
         'def test_bg_skips():\n    pytest.skip("no reason to run")',
@@ -134,6 +137,7 @@ def test_a_second_process_that_dies_fails_what_it_owed(tmp_path):
     assert "passed" in out and "fg_passes" not in out.split("short test summary")[-1]
 
 
+@pytest.mark.slow  # the fast lane keeps the first test of this file
 def test_stop_at_the_first_failure_ends_the_second_process(tmp_path):
     proc, pids = session(tmp_path, CASES, "-x")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -142,6 +146,7 @@ def test_stop_at_the_first_failure_ends_the_second_process(tmp_path):
         os.kill(pid(pids, "bg_passes"), 0)
 
 
+@pytest.mark.slow  # the fast lane keeps the first test of this file
 def test_a_hung_second_process_fails_what_it_owes_within_one_deadline(tmp_path):
     """RLVR_BACKGROUND_WAIT_S is the second process's deadline as a whole, not each test's: a hung test fails
     itself and every test after it at that deadline, and the second process is stopped."""
@@ -151,12 +156,12 @@ def test_a_hung_second_process_fails_what_it_owes_within_one_deadline(tmp_path):
     )
     assert body != CASES
     started = time.time()
-    proc, pids = session(tmp_path, body, RLVR_BACKGROUND_WAIT_S="4")
+    proc, pids = session(tmp_path, body, RLVR_BACKGROUND_WAIT_S="2")
     took = time.time() - started
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
-    assert out.count("no result from the background pytest after 4 s") == 3, out  # bg_skips and the two after it
-    assert took < 4 + 12, f"{took:.0f} s: each test waited its own deadline"
+    assert out.count("no result from the background pytest after 2 s") == 3, out  # bg_skips and the two after it
+    assert took < 2 + 12, f"{took:.0f} s: each test waited its own deadline"
     with pytest.raises(ProcessLookupError):  # the second process is gone with the session
         os.kill(pid(pids, "hung"), 0)
 
@@ -184,6 +189,7 @@ def test_fg_passes():
 """
 
 
+@pytest.mark.slow  # the fast lane keeps the first test of this file
 def test_xfail_and_warning_options_read_as_in_one_process(tmp_path):
     """A strict XPASS there fails here, an xfail reads xfailed, and -W error reaches the second process."""
     proc, _ = session(tmp_path, XFAIL, "-W", "error::UserWarning")
@@ -197,6 +203,7 @@ def test_xfail_and_warning_options_read_as_in_one_process(tmp_path):
     assert one.stdout.splitlines()[-1].split(" in ")[0] == out.splitlines()[-1].split(" in ")[0]
 
 
+@pytest.mark.slow  # the fast lane keeps the first test of this file
 def test_last_failed_reruns_only_those_and_addopts_do_not_break_the_second_process(tmp_path):
     body = CASES + "\ndef test_fg_fails():\n    assert False\n"
     first, _ = session(tmp_path, body)
@@ -208,6 +215,7 @@ def test_last_failed_reruns_only_those_and_addopts_do_not_break_the_second_proce
     assert "1 of 1 tests ran in the background pytest" in out, out
 
 
+@pytest.mark.slow  # the fast lane keeps the first test of this file
 def test_a_second_process_that_exits_non_zero_fails_the_session(tmp_path):
     """Its tests all passed, but it ended with an error (here one its conftest makes): the session says so."""
     extra = """
@@ -247,6 +255,7 @@ def test_bg_runs_a_subprocess():
 """
 
 
+@pytest.mark.slow  # the fast lane keeps the first test of this file
 def test_a_stopped_second_process_ends_what_its_tests_started(tmp_path):
     """Stopped early (-x here), the second process gets a Ctrl-C first, as a person would send, so that its tests
     clean up: a subprocess one of them started does not outlive the session."""
