@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+PYTHON = forkserver.real_executable()  # in the second pytest process sys.executable is the fork server's launcher
 
 CONFTEST = f"""
 import sys
@@ -72,9 +73,9 @@ def session(
     (folder / "conftest.py").write_text(CONFTEST + conftest_extra)
     (folder / "test_cases.py").write_text(body)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("RLVR_TEST", "RLVR_BACKGROUND", "PYTEST_"))}
-    full_env.update({"PIDS": str(pids), "RLVR_TEST_PYTHON": sys.executable, "TMPDIR": str(tmp_path), **env})
+    full_env.update({"PIDS": str(pids), "RLVR_TEST_PYTHON": PYTHON, "TMPDIR": str(tmp_path), **env})
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rfsxX", *args],
+        [PYTHON, "-m", "pytest", "-q", "-rfsxX", *args],
         cwd=folder,
         env=full_env,
         capture_output=True,
@@ -105,6 +106,7 @@ def test_outcomes_of_the_second_process_are_this_sessions(tmp_path):
 
 
 @pytest.mark.slow  # the fast lane keeps the first test of this file
+@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
 def test_a_selection_of_one_kind_runs_in_this_process(tmp_path):
     proc, pids = session(tmp_path, CASES, "-k", "bg_passes or bg_fails")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -114,6 +116,7 @@ def test_a_selection_of_one_kind_runs_in_this_process(tmp_path):
 
 
 @pytest.mark.slow  # the fast lane keeps the first test of this file
+@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
 def test_rlvr_test_background_0_runs_everything_here(tmp_path):
     proc, pids = session(tmp_path, CASES, RLVR_TEST_BACKGROUND="0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -122,6 +125,7 @@ def test_rlvr_test_background_0_runs_everything_here(tmp_path):
 
 
 @pytest.mark.slow  # the fast lane keeps the first test of this file
+@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
 def test_a_second_process_that_dies_fails_what_it_owed(tmp_path):
     body = CASES.replace(
         'def test_bg_skips():\n    pytest.skip("no reason to run")',
@@ -138,6 +142,7 @@ def test_a_second_process_that_dies_fails_what_it_owed(tmp_path):
 
 
 @pytest.mark.slow  # the fast lane keeps the first test of this file
+@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
 def test_stop_at_the_first_failure_ends_the_second_process(tmp_path):
     proc, pids = session(tmp_path, CASES, "-x")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -147,6 +152,7 @@ def test_stop_at_the_first_failure_ends_the_second_process(tmp_path):
 
 
 @pytest.mark.slow  # the fast lane keeps the first test of this file
+@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
 def test_a_hung_second_process_fails_what_it_owes_within_one_deadline(tmp_path):
     """RLVR_BACKGROUND_WAIT_S is the second process's deadline as a whole, not each test's: a hung test fails
     itself and every test after it at that deadline, and the second process is stopped."""
@@ -190,6 +196,7 @@ def test_fg_passes():
 
 
 @pytest.mark.slow  # the fast lane keeps the first test of this file
+@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
 def test_xfail_and_warning_options_read_as_in_one_process(tmp_path):
     """A strict XPASS there fails here, an xfail reads xfailed, and -W error reaches the second process."""
     proc, _ = session(tmp_path, XFAIL, "-W", "error::UserWarning")
@@ -204,6 +211,7 @@ def test_xfail_and_warning_options_read_as_in_one_process(tmp_path):
 
 
 @pytest.mark.slow  # the fast lane keeps the first test of this file
+@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
 def test_last_failed_reruns_only_those_and_addopts_do_not_break_the_second_process(tmp_path):
     body = CASES + "\ndef test_fg_fails():\n    assert False\n"
     first, _ = session(tmp_path, body)
@@ -216,6 +224,7 @@ def test_last_failed_reruns_only_those_and_addopts_do_not_break_the_second_proce
 
 
 @pytest.mark.slow  # the fast lane keeps the first test of this file
+@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
 def test_a_second_process_that_exits_non_zero_fails_the_session(tmp_path):
     """Its tests all passed, but it ended with an error (here one its conftest makes): the session says so."""
     extra = """
@@ -256,6 +265,7 @@ def test_bg_runs_a_subprocess():
 
 
 @pytest.mark.slow  # the fast lane keeps the first test of this file
+@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
 def test_a_stopped_second_process_ends_what_its_tests_started(tmp_path):
     """Stopped early (-x here), the second process gets a Ctrl-C first, as a person would send, so that its tests
     clean up: a subprocess one of them started does not outlive the session."""
