@@ -370,10 +370,7 @@ def serve(path: str, launcher: str):
             _log(f"fallback {request.get('argv', [])[:2]}: {why}")
             for fd in fds:
                 os.close(fd)
-            try:
-                conn.sendall((json.dumps({"fallback": why}) + "\n").encode())
-            except OSError:  # the client is gone already
-                pass
+            _reply(conn, {"fallback": why})
             conn.close()
             continue
         pid = os.fork()
@@ -385,11 +382,18 @@ def serve(path: str, launcher: str):
         _log(f"fork {pid} {request['argv'][:2]}")
         for fd in fds:
             os.close(fd)
-        try:
-            conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
-        except OSError:  # the client is gone already
+        if not _reply(conn, {"pid": pid}):
             _kill(pid)
         live[conn] = pid  # reaped, and its connection closed, in a later pass
+
+
+def _reply(conn: socket.socket, message: dict) -> bool:
+    """One line of JSON to the client; False when it is gone already."""
+    try:
+        conn.sendall((json.dumps(message) + "\n").encode())
+    except OSError:
+        return False
+    return True
 
 
 def _recv_exact_prefix(conn: socket.socket, head: bytes) -> bytes:
