@@ -189,10 +189,12 @@ def test_a_long_run_of_boxed_costs_a_constant_per_marker(unit):
         CountingStr.ops = 0
         common.extract_final_answer(CountingStr(text))
         costs[n] = CountingStr.ops
-        t0 = time.perf_counter()
-        for _ in range(3):
+        runs = []
+        for _ in range(5):  # the fastest of five: a busy machine (the second pytest process) only adds time
+            t0 = time.perf_counter()
             common.extract_final_answer(text)
-        times[n] = (time.perf_counter() - t0) / 3
+            runs.append(time.perf_counter() - t0)
+        times[n] = min(runs)
     markers = 20_000 * unit.count("\\boxed{")
     assert costs[20_000] <= 4 * markers, costs
     assert costs[20_000] <= 4.5 * costs[5_000] + 100, costs
