@@ -53,8 +53,8 @@ def passed_on(config) -> list[str]:
         out.append(f"--tb={opt.tbstyle}")
     for value in getattr(opt, "plugins", None) or []:
         out += ["-p", value]
-    if config.option.durations is not None:
-        out.append(f"--durations={config.option.durations}")
+    if opt.durations is not None:
+        out.append(f"--durations={opt.durations}")
     return out
 
 
@@ -143,9 +143,9 @@ class Background:
             except subprocess.TimeoutExpired:
                 pass
         self.stop()
-        code = self.proc.returncode
+        answered, code = self.answered(), self.proc.returncode  # answered() reads what it wrote before it ended
         failed = any(r["outcome"] == "failed" for reports in self.seen.values() for r in reports)
-        if self.answered() == self.count and code != 0 and not failed:
+        if answered == self.count and code != 0 and not failed:
             self.note = f"the background pytest exited {code} although none of its tests failed"
             if session.exitstatus == 0:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,7 +1,9 @@
 """tests/background.py: a test run in the second pytest process reports there what it did here (passed, failed
 with its text, skipped with its reason), a second process that dies fails the tests it owed, and the session's
 exit status is that of all of them. Each case is a small pytest session of its own, in a temporary folder, with
-the plugin registered as conftest.py registers it; its subprocesses are plain interpreters (no torch)."""
+the plugin registered as conftest.py registers it; its subprocesses are plain interpreters (no torch).
+The fast lane keeps the first test; the others are slow, and run in the second pytest process of this suite,
+beside the long tests (pytest's own process is the longer of the two)."""
 
 from __future__ import annotations
 
@@ -106,8 +108,8 @@ def test_outcomes_of_the_second_process_are_this_sessions(tmp_path):
     assert len(there) == 1 and here not in there
 
 
-@pytest.mark.slow  # the fast lane keeps the first test of this file
-@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
+@pytest.mark.slow
+@pytest.mark.background
 def test_a_selection_of_one_kind_runs_in_this_process(tmp_path):
     proc, pids = session(tmp_path, CASES, "-k", "bg_passes or bg_fails")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -116,8 +118,8 @@ def test_a_selection_of_one_kind_runs_in_this_process(tmp_path):
     assert "in the background pytest" not in proc.stdout
 
 
-@pytest.mark.slow  # the fast lane keeps the first test of this file
-@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
+@pytest.mark.slow
+@pytest.mark.background
 def test_rlvr_test_background_0_runs_everything_here(tmp_path):
     proc, pids = session(tmp_path, CASES, RLVR_TEST_BACKGROUND="0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -125,8 +127,8 @@ def test_rlvr_test_background_0_runs_everything_here(tmp_path):
     assert pid(pids, "bg_passes") == pid(pids, "fg_passes") == pid(pids, "bg_param_a_b") == pid(pids, "session")
 
 
-@pytest.mark.slow  # the fast lane keeps the first test of this file
-@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
+@pytest.mark.slow
+@pytest.mark.background
 def test_a_second_process_that_dies_fails_what_it_owed(tmp_path):
     body = CASES.replace(
         'def test_bg_skips():\n    pytest.skip("no reason to run")',
@@ -142,8 +144,8 @@ def test_a_second_process_that_dies_fails_what_it_owed(tmp_path):
     assert "passed" in out and "fg_passes" not in out.split("short test summary")[-1]
 
 
-@pytest.mark.slow  # the fast lane keeps the first test of this file
-@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
+@pytest.mark.slow
+@pytest.mark.background
 def test_stop_at_the_first_failure_ends_the_second_process(tmp_path):
     proc, pids = session(tmp_path, CASES, "-x")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -152,8 +154,8 @@ def test_stop_at_the_first_failure_ends_the_second_process(tmp_path):
         os.kill(pid(pids, "bg_passes"), 0)
 
 
-@pytest.mark.slow  # the fast lane keeps the first test of this file
-@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
+@pytest.mark.slow
+@pytest.mark.background
 def test_a_hung_second_process_fails_what_it_owes_within_one_deadline(tmp_path):
     """RLVR_BACKGROUND_WAIT_S is the second process's deadline as a whole, not each test's: a hung test fails
     itself and every test after it at that deadline, and the second process is stopped."""
@@ -208,8 +210,8 @@ def test_fg_passes():
 """
 
 
-@pytest.mark.slow  # the fast lane keeps the first test of this file
-@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
+@pytest.mark.slow
+@pytest.mark.background
 def test_xfail_and_warning_options_read_as_in_one_process(tmp_path):
     """A strict XPASS there fails here, an xfail reads xfailed, and -W error reaches the second process."""
     proc, _ = session(tmp_path, XFAIL, "-W", "error::UserWarning")
@@ -223,8 +225,8 @@ def test_xfail_and_warning_options_read_as_in_one_process(tmp_path):
     assert one.stdout.splitlines()[-1].split(" in ")[0] == out.splitlines()[-1].split(" in ")[0]
 
 
-@pytest.mark.slow  # the fast lane keeps the first test of this file
-@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
+@pytest.mark.slow
+@pytest.mark.background
 def test_last_failed_reruns_only_those_and_addopts_do_not_break_the_second_process(tmp_path):
     body = CASES + "\ndef test_fg_fails():\n    assert False\n"
     first, _ = session(tmp_path, body)
@@ -236,8 +238,8 @@ def test_last_failed_reruns_only_those_and_addopts_do_not_break_the_second_proce
     assert "1 of 1 tests ran in the background pytest" in out, out
 
 
-@pytest.mark.slow  # the fast lane keeps the first test of this file
-@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
+@pytest.mark.slow
+@pytest.mark.background
 def test_a_second_process_that_exits_non_zero_fails_the_session(tmp_path):
     """Its tests all passed, but it ended with an error (here one its conftest makes): the session says so."""
     extra = """
@@ -278,8 +280,8 @@ def test_bg_runs_a_subprocess():
 """
 
 
-@pytest.mark.slow  # the fast lane keeps the first test of this file
-@pytest.mark.background  # beside the long tests: pytest's own process is the longer of the two
+@pytest.mark.slow
+@pytest.mark.background
 def test_a_stopped_second_process_ends_what_its_tests_started(tmp_path):
     """Stopped early (-x here), the second process gets a Ctrl-C first, as a person would send, so that its tests
     clean up: a subprocess one of them started does not outlive the session."""
