@@ -33,11 +33,10 @@ import torch
 import tyro
 from tqdm.auto import tqdm
 
-import checkpoint
 import common
-import engine
-import models
-import runtime
+import gsm8k
+import intervals
+from plumbing import checkpoint, distributed, errors, forward, generation, logs, models, rollout, runtime
 
 
 @dataclass
@@ -157,7 +156,7 @@ SIZES = ("batch_per_rank", "optimizer_steps")
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
-    runtime.check_tracking(args)  # --track without wandb installed
+    logs.check_tracking(args)  # --track without wandb installed
     runtime.check_ranges(  # DPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
         positive=("samples_per_prompt", "offline_prompts", "beta"),
@@ -179,12 +178,12 @@ def main() -> None:
     # ==================================================================================================
     args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
     validate(args)
-    dist_ = runtime.setup_distributed(args.device, args.fsdp)
+    dist_ = distributed.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
     if args.pairs == "gold" and args.task != "gsm8k":
-        raise runtime.UserError("--pairs gold needs --task gsm8k (the reference solutions are GSM8K's)")
+        raise errors.UserError("--pairs gold needs --task gsm8k (the reference solutions are GSM8K's)")
     if args.samples_per_prompt < (2 if args.pairs == "self" else 1):
-        raise runtime.UserError(f"--samples-per-prompt {args.samples_per_prompt} cannot give a {args.pairs} pair")
+        raise errors.UserError(f"--samples-per-prompt {args.samples_per_prompt} cannot give a {args.pairs} pair")
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     args.batch_per_rank = args.batch_size // world
     args.optimizer_steps = args.total_steps * args.update_epochs
@@ -198,20 +197,20 @@ def main() -> None:
     run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
     checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     if not args.resume and (run_dir / "pairs.jsonl").exists():  # only a resume reuses them, under its own checks
-        raise runtime.UserError(
+        raise errors.UserError(
             f"{run_dir} holds pairs.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
         )
     runtime.seed_everything(args.seed)
-    splits = common.load_gsm8k(args.data_dir, args.val_size)
-    data_used = common.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
+    splits = gsm8k.load_gsm8k(args.data_dir, args.val_size)
+    data_used = gsm8k.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
     tokenizer = models.load_tokenizer(args.model)
     new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
-    common.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
+    gsm8k.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
     prompt_cache: dict[int, list[int]] = {}
 
     def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
         if i not in prompt_cache:
-            prompt_cache[i] = common.encode_prompt(tokenizer, splits["train"][i].question, args.prompt_format)
+            prompt_cache[i] = gsm8k.encode_prompt(tokenizer, splits["train"][i].question, args.prompt_format)
         return prompt_cache[i]
 
     # ==================================================================================================
@@ -224,10 +223,10 @@ def main() -> None:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False)  # DPO's baseline: the log-ratio to this model
     critic = None  # DPO has no critic
-    policy_fwd = engine.PolicyForward(policy, compile=args.compile)
-    ref_fwd = engine.PolicyForward(ref, compile=args.compile)
-    policy_ddp = runtime.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
-    policy_full = runtime.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
+    policy_fwd = forward.PolicyForward(policy, compile=args.compile)
+    ref_fwd = forward.PolicyForward(ref, compile=args.compile)
+    policy_ddp = distributed.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
+    policy_full = distributed.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
     guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
@@ -250,31 +249,30 @@ def main() -> None:
     modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
         state = checkpoint.load_checkpoint(run_dir, **modules, map_location=device)
-        notice = common.check_data_change(state.get("data"), data_used, args.allow_data_change)
+        notice = gsm8k.check_data_change(state.get("data"), data_used, args.allow_data_change)
         if notice and dist_.main:
             print(notice, flush=True)
         counters.update(state["counters"])
     if dist_.main:
         data = f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
         banner = {
-            "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
+            "model": f"{args.model} ({distributed.count_params(policy):,} parameters)",
             **banner,
-            "data": f"{data} ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
+            "data": f"{data} ({gsm8k.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
             "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
         }
-        print(runtime.describe_run("DPO", args, dist_, banner, scaled), flush=True)
+        print(logs.describe_run("DPO", args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
-    engine.reset_rollout_record()  # this run's rollouts only (tests run several trainers in one process)
-    logger = runtime.MetricsLogger(
+    logger = logs.MetricsLogger(
         run_dir, dist_.main, resume_step=counters["step"] if args.resume else None,
-        resume_rows=counters.get("metrics_rows"), first_row=engine.rollout_record, track=args,
+        resume_rows=counters.get("metrics_rows"), first_row=generation.rollout_record, track=args,
     )  # the first line says what the rollouts ran on  # fmt: skip
-    ctx = runtime.autocast_ctx(device)
+    ctx = distributed.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
 
     def run_eval(split: str, size: int) -> dict:
-        res = common.evaluate(
+        res = gsm8k.evaluate(
             policy_full.get(), tokenizer, splits[split][: size or None], task=args.task,
             prompt_format=args.prompt_format, max_new_tokens=args.eval_max_new_tokens,
             batch_size=args.eval_batch_size, desc=f"eval {split}", show_progress=args.progress,
@@ -295,24 +293,24 @@ def main() -> None:
         if not idx:
             return [], {"reward": 0.0, "completions": 0.0, "no_pair": 0.0, "response_len": 0.0}
         if args.online:
-            u = engine.step_uniforms(args.seed, step, stream, n_global * k, args.max_new_tokens, device)
+            u = rollout.step_uniforms(args.seed, step, stream, n_global * k, args.max_new_tokens, device)
             u = u[first * k : (first + len(idx)) * k]  # this rank's rows of the global table
         else:  # only these rows of the offline table: memory in proportion to the chunk, not to --offline-prompts
             u = common.uniform_rows(args.seed, stream, first * k, len(idx) * k, args.max_new_tokens, device)
-        ro = engine.generate(
+        ro = generation.generate(
             lm, [prompt_ids(i) for i in idx for _ in range(k)], max_new_tokens=args.max_new_tokens, eos_id=eos,
             pad_id=pad, uniforms=u, temperature=args.temperature, top_p=args.top_p,
         )  # fmt: skip
-        texts, ids = engine.decode_responses(tokenizer, ro)
+        texts, ids = rollout.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in idx for _ in range(k)]
-        scores = common.score(args.task, texts, ids, golds)
+        scores = gsm8k.score(args.task, texts, ids, golds)
         pairs = []
         for j, i in enumerate(idx):
             group = range(j * k, (j + 1) * k)
             right = [r for r in group if scores[r] == 1.0]
             wrong = [r for r in group if scores[r] == 0.0]
             if args.pairs == "gold" and wrong:
-                solution = common.reference_solution(splits["train"][i])
+                solution = gsm8k.reference_solution(splits["train"][i])
                 chosen = tokenizer(solution, add_special_tokens=False)["input_ids"] + [eos]
                 pairs.append({"prompt": i, "chosen": chosen, "rejected": ids[wrong[0]]})
             elif args.pairs == "self" and right and wrong:
@@ -323,7 +321,7 @@ def main() -> None:
 
     def seq_logps(module: torch.nn.Module, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed response log-probs of chosen and rejected, one forward over both.  -> [N], [N]"""
-        ids, attn, P = engine.join_prompt_response(
+        ids, attn, P = rollout.join_prompt_response(
             [prompt_ids(p["prompt"]) for p in pairs] * 2,
             [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs],
             pad,
@@ -343,7 +341,7 @@ def main() -> None:
     def spread(pairs: list[dict]) -> tuple[int, list[dict]]:
         """Every rank's pairs gathered, then dealt out evenly, each pair whole; the last shares are padded with
         zero-weight copies, so that every rank runs the same forwards.  -> (pairs over all ranks, this rank's share)"""
-        everyone = [p for part in runtime.all_gather_objects(pairs) for p in part]
+        everyone = [p for part in distributed.all_gather_objects(pairs) for p in part]
         per_rank = -(-len(everyone) // world)
         padded = everyone + [dict(everyone[0], weight=0.0)] * (per_rank * world - len(everyone)) if everyone else []
         return len(everyone), padded[dist_.rank * per_rank : (dist_.rank + 1) * per_rank]
@@ -358,11 +356,11 @@ def main() -> None:
             try:
                 pair_set = [json.loads(line) for line in pairs_path.read_text().splitlines()]
             except ValueError:
-                raise runtime.UserError(f"{pairs_path} is damaged; remove it to sample the pairs again") from None
+                raise errors.UserError(f"{pairs_path} is damaged; remove it to sample the pairs again") from None
         else:
-            offline = common.PromptSampler(len(splits["train"]), args.seed + 1).next(args.offline_prompts)
+            offline = gsm8k.PromptSampler(len(splits["train"]), args.seed + 1).next(args.offline_prompts)
             chunk = args.eval_batch_size * world
-            ref_gen = runtime.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
+            ref_gen = distributed.FullWeights(ref, device).get()  # the reference with whole weights, for sampling
             pair_stats = {"reward": 0.0, "completions": 0.0, "no_pair": 0.0, "response_len": 0.0}  # named sums
             bar = tqdm(total=len(offline), desc="offline pairs", disable=not (dist_.main and args.progress))
             with runtime.stoppable("the offline pair sampling"):  # a stop signal: at once, nothing saved
@@ -375,9 +373,9 @@ def main() -> None:
                     pairs, stats = sample_pairs(mine, start + dist_.rank * per, len(offline), 0, 10, ref_gen)
                     _, pairs = spread(pairs)  # the same number of reference forwards on every rank
                     reference_logps(pairs)
-                    for gathered in runtime.all_gather_objects(pairs):
+                    for gathered in distributed.all_gather_objects(pairs):
                         pair_set += [p for p in gathered if p.get("weight", 1.0) > 0]
-                    for key, v in runtime.all_reduce_sums(stats).items():
+                    for key, v in distributed.all_reduce_sums(stats).items():
                         pair_stats[key] += v
                     bar.update(len(part))
                     if args.token_budget and pair_stats["response_len"] >= args.token_budget:
@@ -391,19 +389,19 @@ def main() -> None:
                 tmp.replace(pairs_path)
                 offline_metrics = {
                     "pairs/count": len(pair_set),
-                    "pairs/no_pair_share": common.ratio(pair_stats["no_pair"], len(offline)),
-                    "pairs/sampled_reward": common.ratio(pair_stats["reward"], pair_stats["completions"]),
+                    "pairs/no_pair_share": intervals.ratio(pair_stats["no_pair"], len(offline)),
+                    "pairs/sampled_reward": intervals.ratio(pair_stats["reward"], pair_stats["completions"]),
                     "generated_tokens": counters["generated_tokens"],
                 }
                 logger.log(0, offline_metrics)
         if not pair_set:
-            raise runtime.UserError(
+            raise errors.UserError(
                 f"no prompt yielded a {args.pairs} pair (every sample was {'right' if args.pairs == 'self' else 'wrong'}"
                 " or the other side never came up); try --pairs gold or more --samples-per-prompt"
             )
         if dist_.main:
             print(f"offline pairs: {len(pair_set)} in {pairs_path}", flush=True)
-    sampler = common.PromptSampler(len(pair_set) if not args.online else len(splits["train"]), args.seed)
+    sampler = gsm8k.PromptSampler(len(pair_set) if not args.online else len(splits["train"]), args.seed)
     if args.resume:
         sampler.load_state_dict(state["sampler"])
 
@@ -430,7 +428,7 @@ def main() -> None:
         if args.online:  # pairs stay whole; spread them evenly over ranks, padding with zero-weight copies
             n_real, pairs = spread(pairs)
             if not n_real and step == 0:
-                raise runtime.UserError(
+                raise errors.UserError(
                     f"no prompt of the first batch yielded a {args.pairs} pair; try --pairs gold or more "
                     "--samples-per-prompt"
                 )
@@ -453,7 +451,7 @@ def main() -> None:
                 continue
             for s in range(0, N, micro):
                 sl = slice(s, s + micro)
-                with runtime.no_sync(policy_ddp, last_micro=s + micro >= N), ctx:
+                with distributed.no_sync(policy_ddp, last_micro=s + micro >= N), ctx:
                     pi_c, pi_r = seq_logps(policy_ddp, pairs[sl])
                     # ALGO LOGIC: the loss per pair
                     loss_pair, margin = common.dpo_loss(pi_c, pi_r, ref_c[sl], ref_r[sl], args.beta, args.loss)
@@ -482,7 +480,7 @@ def main() -> None:
         t_update = time.time() - t_update
 
         # --- 5. logging: the step's sums, reduced over ranks in one all_reduce -------------------------------
-        total = runtime.all_reduce_sums(sums)
+        total = distributed.all_reduce_sums(sums)
         n_pairs = total.get("weight", 0.0)  # 0 when no prompt of an online step yielded a pair: logged as null
         counters["step"] = step + 1
         keys = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
@@ -503,7 +501,7 @@ def main() -> None:
             counters["generated_tokens"] += int(sampled["response_len"])
             metrics.update(
                 {
-                    "reward": common.ratio(sampled["reward"], sampled["completions"]),
+                    "reward": intervals.ratio(sampled["reward"], sampled["completions"]),
                     "no_pair_share": sampled["no_pair"] / args.batch_size,
                     "tokens_per_s": sampled["response_len"] / max(t_rollout, 1e-9),
                 }
@@ -512,7 +510,7 @@ def main() -> None:
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
-            metrics.update(common.eval_metrics("val", run_eval("val", args.eval_size)))
+            metrics.update(gsm8k.eval_metrics("val", run_eval("val", args.eval_size)))
         logger.log(counters["step"], metrics)
         val = {"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['reward_accuracy']:.2f}", **val)
@@ -539,7 +537,7 @@ def main() -> None:
     # ==================================================================================================
     save()
     val = run_eval("val", args.eval_size)
-    logger.log(counters["step"], common.eval_metrics("val", val))
+    logger.log(counters["step"], gsm8k.eval_metrics("val", val))
     test = run_eval("test", args.test_size)
     counters["wall_time"] = time.time() - t_start
     if dist_.main:
@@ -553,13 +551,13 @@ def main() -> None:
             "mc_tokens": counters["mc_tokens"],
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
-            "critic_params": runtime.count_params(critic),
+            "critic_params": distributed.count_params(critic),
             "args": args_dict,
             "data": data_used,  # the folder actually read (args.data_dir as given) and the fingerprint
             "scaled_down": scaled,
-            **engine.rollout_record(),  # the rollout backend actually used, every fallback and its reason
+            **generation.rollout_record(),  # the rollout backend actually used, every fallback and its reason
         }
-        runtime.write_results(run_dir, results, test, device, world)
+        logs.write_results(run_dir, results, test, device, world)
     logger.close()
 
 

@@ -2,7 +2,7 @@
 
 GRPO's baseline is a Monte Carlo estimate of the prompt's value: unbiased, but it costs G rollouts per
 prompt and is noisy at G = 8. Every `--mc-every` steps this script measures that noise with K fresh
-rollouts from the prompt and from states inside the completions, through the same common.monte_carlo as
+rollouts from the prompt and from states inside the completions, through the same measure.monte_carlo as
 ppo.py's critic, so that a critic's error and the group mean's noise sit on one scale (docs/measurement.md).
 It also logs the share of groups whose rewards are all equal: those carry no learning signal, which on a weak
 model decides everything.
@@ -32,11 +32,10 @@ import torch
 import tyro
 from tqdm.auto import tqdm
 
-import checkpoint
 import common
-import engine
-import models
-import runtime
+import gsm8k
+import measure
+from plumbing import checkpoint, distributed, errors, forward, generation, logs, models, rollout, runtime
 
 
 @dataclass
@@ -178,15 +177,15 @@ SIZES = ("completions_per_step", "completions_per_rank", "minibatch_size", "micr
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
-    runtime.check_tracking(args)  # --track without wandb installed
+    logs.check_tracking(args)  # --track without wandb installed
     runtime.check_ranges(  # GRPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
         positive=("num_minibatches", "clip_eps", "clip_eps_high"),
     )
     if args.group_size < 2:
-        raise runtime.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
+        raise errors.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
     if args.top_p < 1:  # the ratio, the KL and the MC return need the log-probs of the distribution sampled from
-        raise runtime.UserError(
+        raise errors.UserError(
             f"--top-p {args.top_p} biases grpo.py's ratio, KL and Monte Carlo return: the engine's log-probs are "
             "the untruncated softmax's, not the nucleus it samples from; use --top-p 1 (dpo.py takes it)"
         )
@@ -207,9 +206,9 @@ def main() -> None:
     # ==================================================================================================
     args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
     validate(args)
-    dist_ = runtime.setup_distributed(args.device, args.fsdp)
+    dist_ = distributed.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    common.check_measurement(args, world)  # --mc-samples, --mc-prompts, --mc-states
+    measure.check_measurement(args, world)  # --mc-samples, --mc-prompts, --mc-states
     args.completions_per_step = args.batch_size * args.group_size  # over all ranks; groups stay on one rank
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     args.completions_per_rank = args.completions_per_step // world
@@ -226,16 +225,16 @@ def main() -> None:
     run_dir = Path(args.run_dir or f"runs/grpo-s{args.seed}")
     checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
-    splits = common.load_gsm8k(args.data_dir, args.val_size)
-    data_used = common.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
+    splits = gsm8k.load_gsm8k(args.data_dir, args.val_size)
+    data_used = gsm8k.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
     tokenizer = models.load_tokenizer(args.model)
     new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
-    common.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
+    gsm8k.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
     prompt_cache: dict[int, list[int]] = {}
 
     def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
         if i not in prompt_cache:
-            prompt_cache[i] = common.encode_prompt(tokenizer, splits["train"][i].question, args.prompt_format)
+            prompt_cache[i] = gsm8k.encode_prompt(tokenizer, splits["train"][i].question, args.prompt_format)
         return prompt_cache[i]
 
     # ==================================================================================================
@@ -248,10 +247,10 @@ def main() -> None:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
     critic = None  # GRPO has no critic: the group is the baseline
-    policy_fwd = engine.PolicyForward(policy, compile=args.compile)
-    ref_fwd = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    policy_ddp = runtime.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
-    policy_full = runtime.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
+    policy_fwd = forward.PolicyForward(policy, compile=args.compile)
+    ref_fwd = forward.PolicyForward(ref, compile=args.compile) if ref is not None else None
+    policy_ddp = distributed.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
+    policy_full = distributed.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
     guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
@@ -266,14 +265,14 @@ def main() -> None:
     # ==================================================================================================
     # TRY NOT TO MODIFY: resume, banner, logging, evaluation, checkpoints
     # ==================================================================================================
-    sampler = common.PromptSampler(len(splits["train"]), args.seed)
+    sampler = gsm8k.PromptSampler(len(splits["train"]), args.seed)
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
     args_dict = dataclasses.asdict(args)  # results.json: every setting and the sizes
     settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
     modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
         state = checkpoint.load_checkpoint(run_dir, **modules, map_location=device)
-        notice = common.check_data_change(state.get("data"), data_used, args.allow_data_change)
+        notice = gsm8k.check_data_change(state.get("data"), data_used, args.allow_data_change)
         if notice and dist_.main:
             print(notice, flush=True)
         counters.update(state["counters"])
@@ -281,24 +280,23 @@ def main() -> None:
     if dist_.main:
         data = f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
         banner = {
-            "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
+            "model": f"{args.model} ({distributed.count_params(policy):,} parameters)",
             **banner,
-            "data": f"{data} ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
+            "data": f"{data} ({gsm8k.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
             "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
         }
-        print(runtime.describe_run("GRPO", args, dist_, banner, scaled), flush=True)
+        print(logs.describe_run("GRPO", args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
-    engine.reset_rollout_record()  # this run's rollouts only (tests run several trainers in one process)
-    logger = runtime.MetricsLogger(
+    logger = logs.MetricsLogger(
         run_dir, dist_.main, resume_step=counters["step"] if args.resume else None,
-        resume_rows=counters.get("metrics_rows"), first_row=engine.rollout_record, track=args,
+        resume_rows=counters.get("metrics_rows"), first_row=generation.rollout_record, track=args,
     )  # the first line says what the rollouts ran on  # fmt: skip
-    ctx = runtime.autocast_ctx(device)
+    ctx = distributed.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
 
     def run_eval(split: str, size: int) -> dict:
-        res = common.evaluate(
+        res = gsm8k.evaluate(
             policy_full.get(), tokenizer, splits[split][: size or None], task=args.task,
             prompt_format=args.prompt_format, max_new_tokens=args.eval_max_new_tokens,
             batch_size=args.eval_batch_size, desc=f"eval {split}", show_progress=args.progress,
@@ -323,10 +321,10 @@ def main() -> None:
         batch_idx = sampler.next(args.batch_size)  # the global batch; this rank takes its contiguous share
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
         local_idx = [i for i in batch_idx[lo:hi] for _ in range(G)]
-        uniforms = engine.step_uniforms(args.seed, step, 0, args.completions_per_step, args.max_new_tokens, device)
+        uniforms = rollout.step_uniforms(args.seed, step, 0, args.completions_per_step, args.max_new_tokens, device)
         prompts = [prompt_ids(i) for i in local_idx]
         policy_gen = policy_full.get()
-        ro = engine.generate(
+        ro = generation.generate(
             policy_gen, prompts, max_new_tokens=args.max_new_tokens, eos_id=eos, pad_id=pad,
             uniforms=uniforms[lo * G : hi * G], temperature=args.temperature, top_p=args.top_p,
         )  # fmt: skip
@@ -339,16 +337,16 @@ def main() -> None:
         # --- 2. ALGO LOGIC: reference log-probs (no gradient) -------------------------------------------------
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
-            for rows in engine.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
+            for rows in forward.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
                 if ref_fwd is not None:
                     ref_logp[rows] = ref_fwd(input_ids[rows], attn[rows], P, args.temperature)[0]
                 if args.recompute_logprobs:
                     old_logp[rows] = policy_fwd(input_ids[rows], attn[rows], P, args.temperature)[0]
 
         # --- 3. rewards: the shared verifier's score of each completion ---------------------------------------
-        texts, ids = engine.decode_responses(tokenizer, ro)
+        texts, ids = rollout.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in local_idx]
-        scores = torch.tensor(common.score(args.task, texts, ids, golds), device=device)  # [B]
+        scores = torch.tensor(gsm8k.score(args.task, texts, ids, golds), device=device)  # [B]
         lengths = ro.lengths  # [B]
         kl_tok = common.kl_estimate(old_logp, ref_logp, "k1") * rmask if ref is not None else torch.zeros_like(old_logp)
 
@@ -360,12 +358,12 @@ def main() -> None:
         # --- 5. ALGO LOGIC: the baseline measured against Monte Carlo, every mc_every steps -------------------
         if args.mc_every and step % args.mc_every == 0:  # measure the group's baseline against Monte Carlo
             t_mc = time.time()
-            measured = common.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
+            measured = measure.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
             rows = [i * G for i in measured]  # one completion per measured prompt
             T = rmask.shape[1]
             group_mean = (scores - common.group_advantages(scores, G, "none", "mean")).cpu()  # [B]
             loo = (scores - common.group_advantages(scores, G, "none", "loo")).cpu()  # [B]
-            report, mc_tok = common.monte_carlo(
+            report, mc_tok = measure.monte_carlo(
                 policy_gen, tokenizer, prompts=[prompts[r] for r in rows], responses=[ids[r] for r in rows],
                 golds=[golds[r] for r in rows], groups=[local_idx[r] for r in rows], row_ids=[lo * G + r for r in rows],
                 # the baseline of every token of a completion: its group's mean, and the mean of the other G - 1
@@ -387,12 +385,12 @@ def main() -> None:
                 B, args.num_minibatches, lo * G, args.completions_per_step, args.seed * 7 + step * 131 + epoch
             )
             for mb_rows in deal:
-                n_tok = runtime.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
+                n_tok = distributed.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
                 n_seq = torch.tensor(float(args.minibatch_size * world), device=device)  # and its sequences
-                micro_batches = engine.length_sorted_micro_batches(mb_rows, seq_len, micro)
+                micro_batches = forward.length_sorted_micro_batches(mb_rows, seq_len, micro)
                 for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
-                    with runtime.no_sync(policy_ddp, last_micro=j == len(micro_batches) - 1), ctx:
+                    with distributed.no_sync(policy_ddp, last_micro=j == len(micro_batches) - 1), ctx:
                         logp, entropy, _ = policy_ddp(input_ids[rows], attn[rows], P, args.temperature)
                         # ALGO LOGIC: the loss per token
                         pg_loss, clipped = common.clipped_surrogate(
@@ -432,11 +430,11 @@ def main() -> None:
             "response_len": lengths.sum(),
             "truncated": (~(ro.response_ids == eos).any(-1)).sum(),  # no EOS: cut at max_new_tokens
             "kl_ref": kl_tok.sum(),
-            "format_rate": float(sum(common.extract_final_answer(t) is not None for t in texts)),
+            "format_rate": float(sum(gsm8k.extract_final_answer(t) is not None for t in texts)),
             "groups_equal": groups_equal.sum(),
             "groups": float(len(groups_equal)),
         }
-        total = runtime.all_reduce_sums(sums)
+        total = distributed.all_reduce_sums(sums)
         n, n_tok = total["completions"], total["tokens"]
         gen_tokens = int(total["response_len"])
         counters["generated_tokens"] += gen_tokens
@@ -461,7 +459,7 @@ def main() -> None:
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
-            metrics.update(common.eval_metrics("val", run_eval("val", args.eval_size)))
+            metrics.update(gsm8k.eval_metrics("val", run_eval("val", args.eval_size)))
         logger.log(counters["step"], metrics)
         val = {"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", len=f"{metrics['response_len']:.0f}", **val)
@@ -488,7 +486,7 @@ def main() -> None:
     # ==================================================================================================
     save()
     val = run_eval("val", args.eval_size)
-    logger.log(counters["step"], common.eval_metrics("val", val))
+    logger.log(counters["step"], gsm8k.eval_metrics("val", val))
     test = run_eval("test", args.test_size)
     counters["wall_time"] = time.time() - t_start
     if dist_.main:
@@ -501,16 +499,16 @@ def main() -> None:
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
             "trained_tokens": counters.get("trained_tokens", 0),
-            "policy_params": runtime.count_params(policy),
+            "policy_params": distributed.count_params(policy),
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
-            "critic_params": runtime.count_params(critic),
+            "critic_params": distributed.count_params(critic),
             "args": args_dict,
             "data": data_used,  # the folder actually read (args.data_dir as given) and the fingerprint
             "scaled_down": scaled,
-            **engine.rollout_record(),  # the rollout backend actually used, every fallback and its reason
+            **generation.rollout_record(),  # the rollout backend actually used, every fallback and its reason
         }
-        runtime.write_results(run_dir, results, test, device, world)
+        logs.write_results(run_dir, results, test, device, world)
     logger.close()
 
 

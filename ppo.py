@@ -4,7 +4,7 @@ PPO's baseline is a learned value function, the one baseline of the three method
 wrong. `--critic` picks its capacity (critics.py): none (REINFORCE with a batch-mean baseline), small,
 medium and large heads on the policy's own hidden states, or a full separate transformer. Every
 `--mc-every` steps the critic's values at token-weighted states are compared with Monte Carlo estimates
-from fresh rollouts (common.monte_carlo), raw and with the constant offset removed (docs/measurement.md).
+from fresh rollouts (measure.monte_carlo), raw and with the constant offset removed (docs/measurement.md).
 
 Simplifications, said plainly: one reward at the final token (gamma = lambda = 1 by default); the
 rollout's own log-probs are the old log-probs (no extra forward; --recompute-logprobs adds one).
@@ -31,12 +31,11 @@ import torch
 import tyro
 from tqdm.auto import tqdm
 
-import checkpoint
 import common
-import engine
-import models
-import runtime
+import gsm8k
+import measure
 from critics import build_critic
+from plumbing import checkpoint, distributed, errors, forward, generation, logs, models, rollout, runtime
 
 
 @dataclass
@@ -192,7 +191,7 @@ SIZES = ("completions_per_step", "completions_per_rank", "minibatch_size", "micr
 
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
-    runtime.check_tracking(args)  # --track without wandb installed
+    logs.check_tracking(args)  # --track without wandb installed
     runtime.check_ranges(  # PPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
         positive=("group_size", "critic_lr", "num_minibatches", "clip_eps"),
@@ -200,14 +199,14 @@ def validate(args: Args) -> None:
         unit=("gamma", "lam"),
     )
     if args.critic_warmup_steps and args.critic == "none":
-        raise runtime.UserError(f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic")
+        raise errors.UserError(f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic")
     if args.fsdp and args.kl_mode == "reward" and args.kl_coef > 0 and args.mc_every:  # see docs/distributed.md
-        raise runtime.UserError(
+        raise errors.UserError(
             "--kl-mode reward with --fsdp cannot be measured against Monte Carlo: the reference's KL of the fresh "
             "rollouts would take a different number of sharded forwards on each rank; pass --mc-every 0 or drop --fsdp"
         )
     if args.top_p < 1:  # the ratio, the KL and the MC return need the log-probs of the distribution sampled from
-        raise runtime.UserError(
+        raise errors.UserError(
             f"--top-p {args.top_p} biases ppo.py's ratio, KL and Monte Carlo return: the engine's log-probs are "
             "the untruncated softmax's, not the nucleus it samples from; use --top-p 1 (dpo.py takes it)"
         )
@@ -234,9 +233,9 @@ def main() -> None:
     # ==================================================================================================
     args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
     validate(args)
-    dist_ = runtime.setup_distributed(args.device, args.fsdp)
+    dist_ = distributed.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
-    common.check_measurement(args, world)  # --mc-samples, --mc-prompts, --mc-states
+    measure.check_measurement(args, world)  # --mc-samples, --mc-prompts, --mc-states
     args.completions_per_step = args.batch_size * args.group_size  # over all ranks
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
     args.completions_per_rank = args.completions_per_step // world
@@ -254,16 +253,16 @@ def main() -> None:
     run_dir = Path(args.run_dir or f"runs/ppo-{args.critic}-s{args.seed}")
     checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
-    splits = common.load_gsm8k(args.data_dir, args.val_size)
-    data_used = common.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
+    splits = gsm8k.load_gsm8k(args.data_dir, args.val_size)
+    data_used = gsm8k.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
     tokenizer = models.load_tokenizer(args.model)
     new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
-    common.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
+    gsm8k.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
     prompt_cache: dict[int, list[int]] = {}
 
     def prompt_ids(i: int) -> list[int]:  # training prompts, through the same builder as evaluation
         if i not in prompt_cache:
-            prompt_cache[i] = common.encode_prompt(tokenizer, splits["train"][i].question, args.prompt_format)
+            prompt_cache[i] = gsm8k.encode_prompt(tokenizer, splits["train"][i].question, args.prompt_format)
         return prompt_cache[i]
 
     # ==================================================================================================
@@ -279,10 +278,10 @@ def main() -> None:
         torch.manual_seed(args.seed)
         critic = build_critic(args.critic, policy.config.hidden_size, policy)
     critic = critic.to(home) if critic is not None else None
-    policy_fwd = engine.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
-    ref_fwd = engine.PolicyForward(ref, compile=args.compile) if ref is not None else None
-    policy_ddp = runtime.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
-    policy_full = runtime.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
+    policy_fwd = forward.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
+    ref_fwd = forward.PolicyForward(ref, compile=args.compile) if ref is not None else None
+    policy_ddp = distributed.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
+    policy_full = distributed.FullWeights(policy, device)  # a gathered copy under --fsdp, else the policy itself
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
     if critic is not None:
         groups.append({"params": list(critic.parameters()), "lr": args.critic_lr})
@@ -291,7 +290,7 @@ def main() -> None:
     lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     banner = {
-        "critic": f"{args.critic} ({runtime.count_params(critic):,} trainable parameters)",
+        "critic": f"{args.critic} ({distributed.count_params(critic):,} trainable parameters)",
         "batch": f"{args.completions_per_step} completions/step = {args.batch_size} prompts x {G}; "
         f"{args.num_minibatches} minibatches x {args.update_epochs} epochs",
     }
@@ -299,14 +298,14 @@ def main() -> None:
     # ==================================================================================================
     # TRY NOT TO MODIFY: resume, banner, logging, evaluation, checkpoints
     # ==================================================================================================
-    sampler = common.PromptSampler(len(splits["train"]), args.seed)
+    sampler = gsm8k.PromptSampler(len(splits["train"]), args.seed)
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
     args_dict = dataclasses.asdict(args)  # results.json: every setting and the sizes
     settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
     modules = dict(policy=policy, critic=critic, optimizer=optimizer, scheduler=scheduler, args=settings)
     if args.resume:
         state = checkpoint.load_checkpoint(run_dir, **modules, map_location=device)
-        notice = common.check_data_change(state.get("data"), data_used, args.allow_data_change)
+        notice = gsm8k.check_data_change(state.get("data"), data_used, args.allow_data_change)
         if notice and dist_.main:
             print(notice, flush=True)
         counters.update(state["counters"])
@@ -314,24 +313,23 @@ def main() -> None:
     if dist_.main:
         data = f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
         banner = {
-            "model": f"{args.model} ({runtime.count_params(policy):,} parameters)",
+            "model": f"{args.model} ({distributed.count_params(policy):,} parameters)",
             **banner,
-            "data": f"{data} ({common.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
+            "data": f"{data} ({gsm8k.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
             "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
         }
-        print(runtime.describe_run("PPO", args, dist_, banner, scaled), flush=True)
+        print(logs.describe_run("PPO", args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
-    engine.reset_rollout_record()  # this run's rollouts only (tests run several trainers in one process)
-    logger = runtime.MetricsLogger(
+    logger = logs.MetricsLogger(
         run_dir, dist_.main, resume_step=counters["step"] if args.resume else None,
-        resume_rows=counters.get("metrics_rows"), first_row=engine.rollout_record, track=args,
+        resume_rows=counters.get("metrics_rows"), first_row=generation.rollout_record, track=args,
     )  # the first line says what the rollouts ran on  # fmt: skip
-    ctx = runtime.autocast_ctx(device)
+    ctx = distributed.autocast_ctx(device)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     t_start = time.time() - counters["wall_time"]
 
     def run_eval(split: str, size: int) -> dict:
-        res = common.evaluate(
+        res = gsm8k.evaluate(
             policy_full.get(), tokenizer, splits[split][: size or None], task=args.task,
             prompt_format=args.prompt_format, max_new_tokens=args.eval_max_new_tokens,
             batch_size=args.eval_batch_size, desc=f"eval {split}", show_progress=args.progress,
@@ -356,10 +354,10 @@ def main() -> None:
         batch_idx = sampler.next(args.batch_size)  # the global batch; this rank takes its contiguous share
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
         local_idx = [i for i in batch_idx[lo:hi] for _ in range(G)]
-        uniforms = engine.step_uniforms(args.seed, step, 0, args.completions_per_step, args.max_new_tokens, device)
+        uniforms = rollout.step_uniforms(args.seed, step, 0, args.completions_per_step, args.max_new_tokens, device)
         prompts = [prompt_ids(i) for i in local_idx]
         policy_gen = policy_full.get()
-        ro = engine.generate(
+        ro = generation.generate(
             policy_gen, prompts, max_new_tokens=args.max_new_tokens, eos_id=eos, pad_id=pad,
             uniforms=uniforms[lo * G : hi * G], temperature=args.temperature, top_p=args.top_p,
             return_hidden=critic is not None and not critic.needs_trunk,
@@ -374,7 +372,7 @@ def main() -> None:
         with torch.no_grad(), ctx:
             ref_logp = torch.zeros_like(old_logp)
             old_values = torch.zeros_like(old_logp)
-            for rows in engine.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
+            for rows in forward.length_sorted_micro_batches(torch.arange(len(prompts)), seq_len, micro):
                 if ref_fwd is not None:
                     ref_logp[rows] = ref_fwd(input_ids[rows], attn[rows], P, args.temperature)[0]
                 if args.recompute_logprobs:  # the training forward: log-probs, and a full critic's values with them
@@ -382,16 +380,16 @@ def main() -> None:
                     if critic is not None and critic.needs_trunk:
                         old_values[rows] = v
                 elif critic is not None and critic.needs_trunk:  # the full critic's trunk alone
-                    ids_, attn_, p_, t_ = engine.trim_padding(input_ids[rows], attn[rows], P)
-                    v = critic(ids_, attn_, engine.position_ids_from_mask(attn_))[:, p_ - 1 : -1]
+                    ids_, attn_, p_, t_ = forward.trim_padding(input_ids[rows], attn[rows], P)
+                    v = critic(ids_, attn_, rollout.position_ids_from_mask(attn_))[:, p_ - 1 : -1]
                     old_values[rows, :t_] = v.float() * rmask[rows, :t_]
             if critic is not None and not critic.needs_trunk:
                 old_values = critic(ro.hidden).float() * rmask
 
         # --- 3. rewards: the shared verifier's score of each completion ---------------------------------------
-        texts, ids = engine.decode_responses(tokenizer, ro)
+        texts, ids = rollout.decode_responses(tokenizer, ro)
         golds = [splits["train"][i].gold for i in local_idx]
-        scores = torch.tensor(common.score(args.task, texts, ids, golds), device=device)  # [B]
+        scores = torch.tensor(gsm8k.score(args.task, texts, ids, golds), device=device)  # [B]
         lengths = ro.lengths  # [B]
         kl_tok = common.kl_estimate(old_logp, ref_logp, "k1") * rmask if ref is not None else torch.zeros_like(old_logp)
 
@@ -401,7 +399,7 @@ def main() -> None:
         if args.kl_mode == "reward":
             rewards = rewards - args.kl_coef * kl_tok
         if critic is None:  # REINFORCE: the baseline is the batch-mean score, over all ranks
-            mean = runtime.all_reduce_sums({"score": scores.sum(), "n": float(len(scores))})
+            mean = distributed.all_reduce_sums({"score": scores.sum(), "n": float(len(scores))})
             old_values = torch.full_like(rewards, mean["score"] / mean["n"]) * rmask
         advantages, returns = common.gae(rewards, old_values, rmask, args.gamma, args.lam)  # [B, T] x2
         if args.whiten_advantages:
@@ -410,15 +408,15 @@ def main() -> None:
         # --- 5. ALGO LOGIC: the baseline measured against Monte Carlo, every mc_every steps -------------------
         if args.mc_every and step % args.mc_every == 0:  # measure the baseline against Monte Carlo
             t_mc = time.time()
-            measured = common.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
+            measured = measure.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
             rows = [i * G for i in measured]  # one completion per measured prompt
 
-            def kl_to_go(mc_ro: engine.Rollout, used: torch.Tensor) -> torch.Tensor:  # [B]: beta * sum of k1 ahead
-                ref_lp = engine.rollout_logprobs(ref_fwd, mc_ro, micro, args.temperature)  # [B, T']
+            def kl_to_go(mc_ro: rollout.Rollout, used: torch.Tensor) -> torch.Tensor:  # [B]: beta * sum of k1 ahead
+                ref_lp = forward.rollout_logprobs(ref_fwd, mc_ro, micro, args.temperature)  # [B, T']
                 ahead = torch.arange(ref_lp.shape[1], device=device)[None, :] < used.to(device)[:, None]  # [B, T']
                 return args.kl_coef * (common.kl_estimate(mc_ro.logprobs, ref_lp, "k1") * ahead).sum(-1)
 
-            report, mc_tok = common.monte_carlo(
+            report, mc_tok = measure.monte_carlo(
                 policy_gen, tokenizer, prompts=[prompts[r] for r in rows], responses=[ids[r] for r in rows],
                 golds=[golds[r] for r in rows], groups=[local_idx[r] for r in rows], row_ids=[lo * G + r for r in rows],
                 baselines={"value": old_values[rows]},  # the critic's V(s_t), the baseline of token t
@@ -441,12 +439,12 @@ def main() -> None:
                 B, args.num_minibatches, lo * G, args.completions_per_step, args.seed * 7 + step * 131 + epoch
             )
             for mb_rows in deal:
-                n_tok = runtime.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
+                n_tok = distributed.all_reduce_sum(rmask[mb_rows].sum().detach())  # the minibatch's tokens, all ranks
                 n_seq = torch.tensor(float(args.minibatch_size * world), device=device)  # and its sequences
-                micro_batches = engine.length_sorted_micro_batches(mb_rows, seq_len, micro)
+                micro_batches = forward.length_sorted_micro_batches(mb_rows, seq_len, micro)
                 for j, rows in enumerate(micro_batches):
                     m = rmask[rows]
-                    with runtime.no_sync(policy_ddp, last_micro=j == len(micro_batches) - 1), ctx:
+                    with distributed.no_sync(policy_ddp, last_micro=j == len(micro_batches) - 1), ctx:
                         logp, entropy, values = policy_ddp(input_ids[rows], attn[rows], P, args.temperature)
                         # ALGO LOGIC: the loss per token
                         pg_loss, clipped = common.clipped_surrogate(
@@ -497,9 +495,9 @@ def main() -> None:
             "response_len": lengths.sum(),
             "truncated": (~(ro.response_ids == eos).any(-1)).sum(),  # no EOS: cut at max_new_tokens
             "kl_ref": kl_tok.sum(),
-            "format_rate": float(sum(common.extract_final_answer(t) is not None for t in texts)),
+            "format_rate": float(sum(gsm8k.extract_final_answer(t) is not None for t in texts)),
         }
-        total = runtime.all_reduce_sums(sums)
+        total = distributed.all_reduce_sums(sums)
         n, n_tok = total["completions"], total["tokens"]
         gen_tokens = int(total["response_len"])
         counters["generated_tokens"] += gen_tokens
@@ -527,7 +525,7 @@ def main() -> None:
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
-            metrics.update(common.eval_metrics("val", run_eval("val", args.eval_size)))
+            metrics.update(gsm8k.eval_metrics("val", run_eval("val", args.eval_size)))
         logger.log(counters["step"], metrics)
         val = {"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", len=f"{metrics['response_len']:.0f}", **val)
@@ -554,7 +552,7 @@ def main() -> None:
     # ==================================================================================================
     save()
     val = run_eval("val", args.eval_size)
-    logger.log(counters["step"], common.eval_metrics("val", val))
+    logger.log(counters["step"], gsm8k.eval_metrics("val", val))
     test = run_eval("test", args.test_size)
     counters["wall_time"] = time.time() - t_start
     if dist_.main:
@@ -567,16 +565,16 @@ def main() -> None:
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
             "trained_tokens": counters.get("trained_tokens", 0),
-            "policy_params": runtime.count_params(policy),
+            "policy_params": distributed.count_params(policy),
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
-            "critic_params": runtime.count_params(critic),
+            "critic_params": distributed.count_params(critic),
             "args": args_dict,
             "data": data_used,  # the folder actually read (args.data_dir as given) and the fingerprint
             "scaled_down": scaled,
-            **engine.rollout_record(),  # the rollout backend actually used, every fallback and its reason
+            **generation.rollout_record(),  # the rollout backend actually used, every fallback and its reason
         }
-        runtime.write_results(run_dir, results, test, device, world)
+        logs.write_results(run_dir, results, test, device, world)
     logger.close()
 
 

@@ -11,7 +11,7 @@ measurement would then have for GRPO's nmse and for a perfect critic's (predicte
     ./sweep.sh --preflight                       # the plan's reference GRPO line, on this machine
     python preflight.py --out runs/sweep -- grpo.py --model smollm2 --task gsm8k    # any GRPO command
 
-Holds: the sampling (common.encode_prompt, engine.generate, common.score: the trainers' own prompt, sampler and
+Holds: the sampling (gsm8k.encode_prompt, generation.generate, gsm8k.score: the trainers' own prompt, sampler and
 reward), the estimators, the predicted standard error of nmse, the verdict. Does not hold: any training, the plan
 (sweep.sh), the scheduling (sweep_runner.py), the report (report.py). It imports common, engine and runtime, never a
 trainer: the trainer's settings come from `python grpo.py ... --print-args` (runtime.cli).
@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 import common
-import engine
-import models
-import runtime
+import gsm8k
+import measure
+from plumbing import distributed, errors, generation, models, rollout, rundir, runtime
 
 REPO = Path(__file__).resolve().parent
 MIN_INFORMATIVE = 0.2  # refuse below this share of prompts with 0 < p_hat < 1
@@ -68,7 +68,7 @@ def signal_stats(scores: torch.Tensor) -> dict[str, float]:
     """
     n, G = scores.shape
     if G < 2:
-        raise runtime.UserError(f"the preflight needs a group of at least 2 samples per prompt, got {G}")
+        raise errors.UserError(f"the preflight needs a group of at least 2 samples per prompt, got {G}")
     j = scores.double().sum(-1)  # [n] successes per prompt
     q = j * (G - j) / (G * (G - 1))  # [n] unbiased for p (1 - p)
     if G >= 4:
@@ -92,7 +92,7 @@ def signal_stats(scores: torch.Tensor) -> dict[str, float]:
 
 
 def predicted_se(signal: float, signal_sq: float, states: float, k: int, baseline_samples: int | None) -> float:
-    """The standard error of a run's pooled nmse (common.baseline_error) over `states` measured states.
+    """The standard error of a run's pooled nmse (measure.baseline_error) over `states` measured states.
 
     At each state a baseline b, K fresh 0/1 returns with mean p_hat and unbiased variance s^2, q = p(1 - p).
     baseline_error pools X = (b - p_hat)^2 - s^2 / K over D = s^2: nmse = sum X / sum D, E[D | p] = q. For b the
@@ -120,13 +120,13 @@ def predicted_se(signal: float, signal_sq: float, states: float, k: int, baselin
 
 def measurement_plan(args: dict, lengths: Sequence[int]) -> dict[str, float]:
     """What one run measures (report.py pools its measurements after the first): measurements, prompt states, all
-    states and their effective number under the token weights of common.mc_state_positions, for completions as
+    states and their effective number under the token weights of measure.mc_state_positions, for completions as
     long as the preflight's (lengths)."""
     if not args.get("mc_every"):
         return {"measurements": 0, "prompt_states": 0, "states": 0, "effective_states": 0.0}
     taken = len(range(0, int(args["total_steps"]), int(args["mc_every"])))
     m = taken - 1 if taken > 1 else taken  # report.py leaves the first out (the untrained critic)
-    per = [[w for _, w in common.mc_state_positions(int(n), int(args["mc_states"]), 0)] for n in lengths] or [[1.0]]
+    per = [[w for _, w in measure.mc_state_positions(int(n), int(args["mc_states"]), 0)] for n in lengths] or [[1.0]]
     sum_w = sum(sum(w) for w in per) / len(per)  # per completion, averaged
     sum_w2 = sum(sum(x * x for x in w) for w in per) / len(per)
     count = sum(len(w) for w in per) / len(per)
@@ -167,7 +167,7 @@ def verdict(stats: dict, threshold: float) -> tuple[bool, str]:
 def trainer_settings(command: Sequence[str]) -> dict:
     """The settings a trainer command would run with (runtime.cli's --print-args), preset applied."""
     if not command or not command[0].endswith(".py"):
-        raise runtime.UserError("give the GRPO command after --, e.g. python preflight.py -- grpo.py --model tiny")
+        raise errors.UserError("give the GRPO command after --, e.g. python preflight.py -- grpo.py --model tiny")
     proc = subprocess.run(
         [sys.executable, command[0], *command[1:], runtime.PRINT_ARGS], cwd=REPO, stdout=subprocess.PIPE, text=True
     )
@@ -175,33 +175,33 @@ def trainer_settings(command: Sequence[str]) -> dict:
         sys.exit(proc.returncode)
     args = json.loads(proc.stdout.strip().splitlines()[-1])["args"]
     if "group_size" not in args:
-        raise runtime.UserError(f"{command[0]} has no --group-size: the preflight samples a GRPO line")
+        raise errors.UserError(f"{command[0]} has no --group-size: the preflight samples a GRPO line")
     return args
 
 
 @torch.no_grad()
 def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict]:
     """G samples of the first `prompts` train prompts of the run's order.  -> scores [n, G], lengths [n G], info"""
-    dist_ = runtime.setup_distributed(args["device"])
+    dist_ = distributed.setup_distributed(args["device"])
     device = dist_.device
     n = prompts or (GPU_PROMPTS if device.type == "cuda" else CPU_PROMPTS)
     G, T = int(args["group_size"]), int(args["max_new_tokens"])
-    splits = common.load_gsm8k(args["data_dir"], args["val_size"])
+    splits = gsm8k.load_gsm8k(args["data_dir"], args["val_size"])
     try:
         tokenizer = models.load_tokenizer(args["model"])
         model = models.load_model(args["model"], tokenizer, args["seed"]).to(device).eval()
-    except runtime.UserError as e:  # a model that cannot be fetched: the loader's reason, on one line
-        raise runtime.UserError(" ".join(str(e).split())) from None
+    except errors.UserError as e:  # a model that cannot be fetched: the loader's reason, on one line
+        raise errors.UserError(" ".join(str(e).split())) from None
     train = splits["train"]
-    idx = common.PromptSampler(len(train), args["seed"]).next(n)  # the run's own first prompts
+    idx = gsm8k.PromptSampler(len(train), args["seed"]).next(n)  # the run's own first prompts
     chunk = max(G, int(args["batch_size"]) * G)  # the trainer's rollout batch: its memory is already checked
     rows = [i for i in idx for _ in range(G)]
     scores, lengths = [], []
     for first in range(0, len(rows), chunk):
         part = rows[first : first + chunk]
-        ro = engine.generate(
+        ro = generation.generate(
             model,
-            [common.encode_prompt(tokenizer, train[i].question, args["prompt_format"]) for i in part],
+            [gsm8k.encode_prompt(tokenizer, train[i].question, args["prompt_format"]) for i in part],
             max_new_tokens=T,
             eos_id=tokenizer.eos_token_id,
             pad_id=tokenizer.pad_token_id,
@@ -209,10 +209,10 @@ def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict]:
             temperature=float(args["temperature"]),
             top_p=float(args["top_p"]),
         )
-        texts, ids = engine.decode_responses(tokenizer, ro)
-        scores += common.score(args["task"], texts, ids, [train[i].gold for i in part])
+        texts, ids = rollout.decode_responses(tokenizer, ro)
+        scores += gsm8k.score(args["task"], texts, ids, [train[i].gold for i in part])
         lengths += [len(x) for x in ids]
-    info = {"device": runtime.device_description(device, 1), "train_prompts": len(train)}
+    info = {"device": distributed.device_description(device, 1), "train_prompts": len(train)}
     return torch.tensor(scores, dtype=torch.float64).view(n, G), lengths, info
 
 
@@ -252,7 +252,7 @@ def preflight(a: Args, command: Sequence[str]) -> tuple[bool, dict]:
     stats["written"] = time.strftime("%Y-%m-%d %H:%M")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    runtime.write_json_atomic(out / "preflight.json", stats)
+    rundir.write_json_atomic(out / "preflight.json", stats)
     return passed, stats
 
 

@@ -5,13 +5,12 @@ a damaged results.json or a run that never saved is set aside, never deleted), t
 reference run, the launchers (one after another, a pool over GPUs or CPU jobs, torchrun, SLURM arrays), the logs
 and status files, the lock on the sweep's folder, the summary, and the call of report.py.
 Does not hold: the experiments or their commands (sweep.sh), any training (the trainers, started as processes),
-the report (report.py). It imports runtime.py and checkpoint.py only to read results.json and find checkpoints
+the report (report.py). It imports plumbing/rundir.py (no torch) to read results.json, find checkpoints, refuse links
 as the trainers do.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -23,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import links
+from plumbing import rundir
+from plumbing.errors import UserError
 
 REPO = Path(__file__).resolve().parent
 PYTHON = os.environ.get("PYTHON") or sys.executable
@@ -68,10 +68,6 @@ threshold (0.2), unless --force. The flags after -- come last in every command, 
 (results.json.damaged-TIME) and the run redone from its checkpoint. A failed run is recorded
 (OUT/logs/<experiment>/<run>.log and .status), the others go on, and the summary names it (exit status 1).
 A lock (OUT/.lock, held for the sweep's life) keeps a second sweep, or a trainer, off the same folder."""
-
-
-class UsageError(Exception):
-    """Bad input: one `error:` line on stderr, exit status 2."""
 
 
 # ======================================================================================================
@@ -133,7 +129,7 @@ def read_plan(text: str) -> tuple[list[tuple[str, str, str, list[str]]], dict[st
         if not words:
             continue
         if len(words) < 3:
-            raise UsageError(f"sweep.sh's plan, line {n}: want 'experiment name script flags...', got {raw.strip()!r}")
+            raise UserError(f"sweep.sh's plan, line {n}: want 'experiment name script flags...', got {raw.strip()!r}")
         if words[0] == "smoke":
             smoke[words[1]] = words[2:]
         else:
@@ -143,7 +139,7 @@ def read_plan(text: str) -> tuple[list[tuple[str, str, str, list[str]]], dict[st
 
 def positive(flag: str, value: str) -> int:
     if not re.fullmatch(r"[1-9][0-9]*", value):
-        raise UsageError(f"{flag} {value} is not a positive number")
+        raise UserError(f"{flag} {value} is not a positive number")
     return int(value)
 
 
@@ -175,35 +171,35 @@ def parse_args(argv: list[str], experiments: list[str]) -> Options:
             o.force = True
         elif a in VALUED or a in INTERNAL:
             if not args:
-                raise UsageError(f"{a} needs a value (./sweep.sh --help)")
+                raise UserError(f"{a} needs a value (./sweep.sh --help)")
             value = args.pop(0)
             if a == "--default-experiments":
                 default_exp = value
             else:
                 v[a] = value
         else:
-            raise UsageError(f"unknown option {a} (./sweep.sh --help)")
+            raise UserError(f"unknown option {a} (./sweep.sh --help)")
 
     o.experiments = []
     for e in v.get("--experiments", default_exp).split(","):
         if e and e not in experiments:
-            raise UsageError(f"unknown experiment '{e}': choose from {', '.join(experiments)}")
+            raise UserError(f"unknown experiment '{e}': choose from {', '.join(experiments)}")
         if e and e not in o.experiments:
             o.experiments.append(e)
     if not o.experiments:
-        raise UsageError(f"--experiments is empty: choose from {', '.join(experiments)}")
+        raise UserError(f"--experiments is empty: choose from {', '.join(experiments)}")
     seeds = v.get("--seeds", "1" if o.smoke else "1,2,3")
     for s in seeds.split(","):
         if s and not re.fullmatch(r"[0-9]+", s):
-            raise UsageError(f"--seeds {seeds}: '{s}' is not a seed (a whole number); e.g. --seeds 1,2,3")
+            raise UserError(f"--seeds {seeds}: '{s}' is not a seed (a whole number); e.g. --seeds 1,2,3")
         if s:
             o.seeds.append(int(s))
     if not o.seeds:
-        raise UsageError("--seeds is empty: give one or more seeds, e.g. --seeds 1,2,3")
+        raise UserError("--seeds is empty: give one or more seeds, e.g. --seeds 1,2,3")
     o.model = "tiny" if o.smoke else v.get("--model", o.model)
     o.scale = "study" if o.smoke else v.get("--scale", o.scale)  # --smoke's flags are the scale: never rescaled
     if o.scale not in SCALES:
-        raise UsageError(f"unknown --scale '{o.scale}': use auto, study or cpu")
+        raise UserError(f"unknown --scale '{o.scale}': use auto, study or cpu")
     o.out = Path(v.get("--out", "runs/smoke" if o.smoke else "runs/sweep")).absolute()
     o.gpus = positive("--gpus", v["--gpus"]) if "--gpus" in v else 0
     if "--jobs" in v:
@@ -212,16 +208,16 @@ def parse_args(argv: list[str], experiments: list[str]) -> Options:
         o.jobs = min(2, len(os.sched_getaffinity(0)))
     o.launcher = v.get("--launcher", "gpus" if o.gpus else "seq")
     if o.launcher not in LAUNCHERS:
-        raise UsageError(f"unknown --launcher '{o.launcher}': use seq, gpus, torchrun or slurm")
+        raise UserError(f"unknown --launcher '{o.launcher}': use seq, gpus, torchrun or slurm")
     if o.launcher != "seq" and "--jobs" in v:
-        raise UsageError("--jobs runs several runs at once on the CPU: it goes with --launcher seq")
+        raise UserError("--jobs runs several runs at once on the CPU: it goes with --launcher seq")
     o.sbatch = v.get("--sbatch", "")
     if "--preflight-prompts" in v:
         o.preflight_prompts = positive("--preflight-prompts", v["--preflight-prompts"])
     o.budget_from = v.get("--budget-from", "")
     if "--slurm-task" in v:
         if not re.fullmatch(r"[0-9]+", v["--slurm-task"]):
-            raise UsageError(f"--slurm-task {v['--slurm-task']} is not a run of this plan")
+            raise UserError(f"--slurm-task {v['--slurm-task']} is not a run of this plan")
         o.slurm_task = int(v["--slurm-task"])
     return o
 
@@ -252,8 +248,7 @@ def states(runs: list[Run], dry_run: bool) -> list[str]:
     """finished (a readable results.json), resume (a checkpoint) or new, per run. A damaged results.json is named
     and renamed aside (never deleted), so the run is redone from its checkpoint; a folder left by a run that died
     before its first checkpoint is renamed aside whole, so the run starts afresh."""
-    import checkpoint  # torch: seconds to import, so only once the options are good
-    import runtime
+    from plumbing import checkpoint  # torch: seconds to import, so only once the options are good
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = []
@@ -261,11 +256,11 @@ def states(runs: list[Run], dry_run: bool) -> list[str]:
         res = run.dir / "results.json"
         if res.exists():
             try:
-                r = runtime.read_results(res)
+                r = rundir.read_results(res)
                 int(r["generated_tokens"]), int(r["steps"]), float(r["test"]["accuracy"])
                 out.append("finished")
                 continue
-            except runtime.UserError as e:
+            except UserError as e:
                 problem = str(e)
             except (KeyError, TypeError, ValueError) as e:
                 problem = f"{res} is damaged: missing or malformed {e}"
@@ -296,14 +291,14 @@ def read_budget(ref: Path) -> tuple[int, int]:
     """A reference run's generated training tokens and steps, from its results.json."""
     path = ref / "results.json"
     if not path.is_file():
-        raise UsageError(f"no budget: the reference run {ref} has no results.json (failed or not run)")
+        raise UserError(f"no budget: the reference run {ref} has no results.json (failed or not run)")
     try:
         r = json.loads(path.read_text())
         tokens, steps = int(r["generated_tokens"]), int(r["steps"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"no budget: {path} is damaged ({e})") from None
+        raise UserError(f"no budget: {path} is damaged ({e})") from None
     if tokens <= 0:
-        raise UsageError(f"no budget: {path} records no generated tokens")
+        raise UserError(f"no budget: {path} records no generated tokens")
     return tokens, steps
 
 
@@ -355,7 +350,7 @@ def preflight_command(
     found = [ln for ln in lines if ln[2] == "grpo.py" and [ln[0], ln[1]] == want]
     found = found or [ln for ln in lines if ln[2] == "grpo.py"]
     if not found:
-        raise UsageError("the plan has no grpo.py line for the preflight to sample")
+        raise UserError("the plan has no grpo.py line for the preflight to sample")
     e, name, script, flags = found[0]
     run = Run(e, name, o.seeds[0], script, flags, o.out / e / f"{name}-s{o.seeds[0]}")
     trainer = command(o, run, smoke, None)
@@ -401,68 +396,6 @@ def refusal(o: Options) -> str:
 
 
 # ======================================================================================================
-# The lock: an OS-level lock (flock) on OUT/.lock for the sweep's life, its holder in the file as one JSON line
-# ======================================================================================================
-
-
-def holder_of(path: Path) -> str | None:
-    """Who holds the lock on path ("a sweep (pid N)", "a trainer (ppo.py, pid N)"), or None when it is free."""
-    try:
-        f = open(path, "r+") if path.exists() else None  # never creates it
-    except OSError:
-        return None  # unreadable: the trainer itself will say why
-    if f is None:
-        return None
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return None  # closing the file releases it
-        except BlockingIOError:
-            return describe_holder(f.read())
-
-
-def describe_holder(text: str) -> str:
-    try:
-        info = json.loads(text)
-        pid, holder = int(info["pid"]), str(info["holder"])
-    except (ValueError, KeyError, TypeError):
-        return "another process (its lock file names none)"
-    return f"a sweep (pid {pid})" if holder == "sweep" else f"a trainer ({holder}, pid {pid})"
-
-
-def refuse_links(out: Path) -> None:
-    """The sweep's folder, and everything in it, is never a symbolic link (as checkpoint.refuse_links for a run
-    folder; links.first_link finds it for both, without torch)."""
-    found = links.first_link(out)
-    if found is None:
-        return
-    link, target = found
-    if link == out:
-        raise UsageError(
-            f"--out {out} is a symbolic link (to {target}); a sweep never follows one: "
-            "pass the folder it points to; nothing was written"
-        )
-    raise UsageError(
-        f"{out} holds a symbolic link, {link.relative_to(out)} -> {target}; a sweep never "
-        "follows one: remove it; nothing was written"
-    )
-
-
-def take_lock(path: Path) -> int:
-    """Lock path for this process's life (the file descriptor stays open) and write the holder into it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # no truncation before the lock
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        text = os.pread(fd, 4096, 0).decode(errors="replace")
-        os.close(fd)
-        raise UsageError(f"{path.parent} is in use by {describe_holder(text)}, which holds {path}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps({"pid": os.getpid(), "holder": "sweep"}) + "\n").encode(), 0)
-    return fd
-
-
-# ======================================================================================================
 # Running: one run, then the pool of slots (GPUs, CPU jobs, or one) that every launcher but SLURM uses
 # ======================================================================================================
 
@@ -476,6 +409,7 @@ class Sweep:
         self.budgets: dict[Path, tuple[int, int]] = {}
         self.live: dict[str, tuple[int, subprocess.Popen, float]] = {}  # slot -> (run index, process, start)
         self.stop = False
+        self.lock: rundir.RunLock | None = None  # OUT/.lock, held for the sweep's life
 
     def log(self, i: int, suffix: str) -> Path:
         r = self.runs[i]
@@ -497,11 +431,11 @@ class Sweep:
         run, log = self.runs[i], self.log(i, "log")
         log.parent.mkdir(parents=True, exist_ok=True)
         try:
-            holder = holder_of(run.dir / ".lock")
+            holder = rundir.holder_of(run.dir / rundir.LOCK_FILE)
             if holder is not None:
-                raise UsageError(f"{run.dir} is in use by {holder}")
+                raise UserError(f"{run.dir} is in use by {holder}")
             cmd = command(self.o, run, self.smoke, self.budget(run))
-        except UsageError as e:
+        except UserError as e:
             print(f"FAIL  {run.label}: {e}", flush=True)
             with open(log, "a") as f:
                 f.write(f"=== {time.strftime('%F %T')} {e}\n")
@@ -599,7 +533,7 @@ def gpu_ids(o: Options) -> list[str]:
     if o.gpus:
         ids = (ids or [str(g) for g in range(o.gpus)])[: o.gpus]  # none found: a dry run on a machine without GPUs
     if not ids:
-        raise UsageError("no GPU found (nvidia-smi): pass --gpus N, or use --launcher seq")
+        raise UserError("no GPU found (nvidia-smi): pass --gpus N, or use --launcher seq")
     return ids
 
 
@@ -611,7 +545,7 @@ def gpu_ids(o: Options) -> list[str]:
 def submit_slurm(s: Sweep) -> None:
     o = s.o
     if not o.dry_run and subprocess.run(["sh", "-c", "command -v sbatch"], capture_output=True).returncode != 0:
-        raise UsageError("--launcher slurm needs sbatch, which is not on PATH")
+        raise UserError("--launcher slurm needs sbatch, which is not on PATH")
     task = o.out / "slurm" / "task.sh"
     again = ["--experiments", ",".join(o.experiments), "--seeds", ",".join(map(str, o.seeds))]
     again += ["--model", o.model] if o.model else []
@@ -658,7 +592,7 @@ def submit_slurm(s: Sweep) -> None:
 def slurm_task(s: Sweep, i: int) -> int:
     """Inside an array task: one run, requeued when a signal stopped it."""
     if i >= len(s.runs):
-        raise UsageError(f"--slurm-task {i} is not a run of this plan")
+        raise UserError(f"--slurm-task {i} is not a run of this plan")
     s.o.launcher = "torchrun" if s.o.gpus > 1 else "seq"
     s.state = [""] * len(s.runs)
     s.state[i] = states([s.runs[i]], False)[0]
@@ -685,7 +619,7 @@ def report(o: Options) -> int:
 def main(argv: list[str]) -> int:
     lines, smoke = read_plan("" if sys.stdin.isatty() else sys.stdin.read())
     if not lines:
-        raise UsageError("sweep_runner.py reads its plan from sweep.sh on stdin: run ./sweep.sh")
+        raise UserError("sweep_runner.py reads its plan from sweep.sh on stdin: run ./sweep.sh")
     o = parse_args(argv, list(dict.fromkeys(e for e, *_ in lines)))
     if o.report_only:
         return report(o)
@@ -700,22 +634,21 @@ def main(argv: list[str]) -> int:
         if o.dry_run:
             print(" ".join(pre))
             return 0
-        o.out.mkdir(parents=True, exist_ok=True)
-        take_lock(o.out / ".lock")
+        s.lock = rundir.RunLock(o.out, "sweep", "--out", "a sweep").acquire()  # held until this process exits
         return run_preflight(o, pre, reuse=False)
     if o.launcher == "torchrun":
         if not o.dry_run and subprocess.run(["sh", "-c", "command -v torchrun"], capture_output=True).returncode:
-            raise UsageError("--launcher torchrun needs torchrun on PATH")
+            raise UserError("--launcher torchrun needs torchrun on PATH")
         o.gpus = o.gpus or len(gpu_ids(o))
     slots = [""]
     if o.launcher == "gpus":
         slots = gpu_ids(o)
     elif o.launcher == "seq" and o.jobs > 1:
         slots = [f"cpu{k}" for k in range(1, o.jobs + 1)]
-    refuse_links(o.out)  # before anything is read or written in it
+    rundir.refuse_links(o.out, "--out", "a sweep")  # before anything is read or written in it
     if not o.dry_run:
-        o.out.mkdir(parents=True, exist_ok=True)
-        take_lock(o.out / ".lock")  # held until this process exits: two sweeps on one folder would run runs twice
+        # held until this process exits: two sweeps on one folder would run runs twice
+        s.lock = rundir.RunLock(o.out, "sweep", "--out", "a sweep").acquire()
         if o.force:
             print("preflight: not run (--force)", flush=True)
         elif o.launcher == "slurm":
@@ -747,7 +680,7 @@ def main(argv: list[str]) -> int:
             if run.needs_budget and (reference(o, run) / "results.json").is_file():
                 try:
                     budget = s.budget(run)
-                except UsageError as e:
+                except UserError as e:
                     print(f"# {run.label}: {e}")
                     continue
             cmd = command(o, run, smoke, budget) + (["--resume"] if s.state[i] == "resume" else [])
@@ -779,6 +712,6 @@ def main(argv: list[str]) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main(sys.argv[1:]))
-    except UsageError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

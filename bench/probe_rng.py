@@ -1,5 +1,5 @@
 """run_gpu.sh's part (a): on this torch, does a failed CUDA graph capture leave the default generator in
-capture mode, and does engine._generator_restore (what StaticEngine._capture calls) take it out? The result
+capture mode, and does static_kernels.generator_restore (what StaticEngine._capture calls) take it out? The result
 goes into throughput.json's sections.rng_probe (argv[1]); exit 1 when a CUDA random call fails after it."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import engine  # noqa: E402
+from plumbing import static_kernels  # noqa: E402
 
 
 def rng_ok(dev: torch.device) -> bool | str:
@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 else:
     dev = torch.device("cuda")
     snap, graph, side, x = (
-        engine._generator_snapshot(dev),
+        static_kernels.generator_snapshot(dev),
         torch.cuda.CUDAGraph(),
         torch.cuda.Stream(),
         torch.ones(4, device=dev),
@@ -45,7 +45,7 @@ else:
     except Exception as e:
         out["cause"] = f"{type(e).__name__}: {e}"[:300]
     out["rng_after_failure"] = rng_ok(dev)
-    engine._generator_restore(snap)
+    static_kernels.generator_restore(snap)
     out["rng_after_restore"] = rng_ok(dev)
 path = Path(sys.argv[1])
 report = json.loads(path.read_text()) if path.is_file() else {"sections": {}}

@@ -50,10 +50,17 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import common  # noqa: E402
-import engine  # noqa: E402
-import models  # noqa: E402
-import runtime  # noqa: E402
+import gsm8k  # noqa: E402
+from plumbing import (  # noqa: E402
+    distributed,
+    forward,
+    generation,
+    models,
+    rollout,
+    rundir,
+    static_engine,
+    static_kernels,
+)
 
 SECTIONS = ("sdpa", "check", "generate", "hf_static", "eval", "grpo", "ppo", "toy", "trl", "train")
 VARIANTS = ("engine", "engine_flex", "engine_no_compile", "hf_dynamic")  # the generate section's, in this order
@@ -195,13 +202,13 @@ class Bench:
         tok_name = (os.environ.get("SMOLLM2_GGUF") or "tiny") if args.tiny else self.model_name
         self.tok = models.load_tokenizer(tok_name)
         self.lm = models.load_model(self.model_name, self.tok, seed=0).to(self.device).eval()
-        self.splits = common.load_gsm8k(args.data_dir)
+        self.splits = gsm8k.load_gsm8k(args.data_dir)
         self.eos, self.pad = self.tok.eos_token_id, self.tok.pad_token_id
         self.report: dict[str, Any] = {
-            "device": runtime.device_description(self.device, 1),
+            "device": distributed.device_description(self.device, 1),
             "versions": {"torch": torch.__version__, "transformers": _version("transformers"), "trl": _version("trl")},
             "model": self.model_name,
-            "dtype": runtime.dtype_name(self.device),
+            "dtype": distributed.dtype_name(self.device),
             "settings": asdict(args),
             "sections": {},
         }
@@ -214,7 +221,7 @@ class Bench:
 
     def prompts(self, n: int, split: str = "train") -> list[list[int]]:
         problems = self.splits[split]
-        return [common.encode_prompt(self.tok, problems[i % len(problems)].question) for i in range(n)]
+        return [gsm8k.encode_prompt(self.tok, problems[i % len(problems)].question) for i in range(n)]
 
     def sync(self) -> None:
         if self.cuda:
@@ -246,7 +253,7 @@ class Bench:
         self.report["elapsed_s"] = time.perf_counter() - self.t_start
         out = Path(self.args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        runtime.write_json_atomic(out, self.report)
+        rundir.write_json_atomic(out, self.report)
 
 
 def _version(package: str) -> str | None:
@@ -361,25 +368,25 @@ def section_check(b: Bench) -> dict[str, Any]:
     n, T = b.args.check_rows, min(b.args.new_tokens, 128)
     prompts = b.prompts(n, "test")
     kw = dict(max_new_tokens=T, eos_id=b.eos, pad_id=b.pad)
-    ours = engine.generate(b.lm, prompts, backend="static", **kw)
-    plain = engine.generate(b.lm, prompts, backend="hf", **kw)
+    ours = generation.generate(b.lm, prompts, backend="static", **kw)
+    plain = generation.generate(b.lm, prompts, backend="hf", **kw)
     first_diff = []
     for x, y, lx, ly in zip(ours.response_ids.tolist(), plain.response_ids.tolist(), ours.lengths, plain.lengths):
         x, y = x[: int(lx)], y[: int(ly)]
         first_diff.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))))
-    same = [a == c for a, c in zip(engine.decode_responses(b.tok, ours)[1], engine.decode_responses(b.tok, plain)[1])]
+    same = [a == c for a, c in zip(rollout.decode_responses(b.tok, ours)[1], rollout.decode_responses(b.tok, plain)[1])]
 
-    def logprob_error(ro: engine.Rollout) -> dict[str, float]:
-        with torch.no_grad(), runtime.autocast_ctx(b.device):
-            lp, _, _ = engine.PolicyForward(b.lm)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1])
+    def logprob_error(ro: rollout.Rollout) -> dict[str, float]:
+        with torch.no_grad(), distributed.autocast_ctx(b.device):
+            lp, _, _ = forward.PolicyForward(b.lm)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1])
         d = (ro.logprobs - lp).abs() * ro.response_mask
         return {"mean": (d.sum() / ro.response_mask.sum()).item(), "max": d.max().item()}
 
-    u = engine.step_uniforms(0, 0, 0, n, T, b.device)
-    s_ours = engine.generate(b.lm, prompts, backend="static", uniforms=u, **kw)
-    s_plain = engine.generate(b.lm, prompts, backend="hf", uniforms=u, **kw)
+    u = rollout.step_uniforms(0, 0, 0, n, T, b.device)
+    s_ours = generation.generate(b.lm, prompts, backend="static", uniforms=u, **kw)
+    s_plain = generation.generate(b.lm, prompts, backend="hf", uniforms=u, **kw)
     same_sampled = [
-        a == c for a, c in zip(engine.decode_responses(b.tok, s_ours)[1], engine.decode_responses(b.tok, s_plain)[1])
+        a == c for a, c in zip(rollout.decode_responses(b.tok, s_ours)[1], rollout.decode_responses(b.tok, s_plain)[1])
     ]
     return {
         "rows": n,
@@ -396,7 +403,7 @@ def section_generate(b: Bench) -> dict[str, Any]:
     """Tokens/s at a fixed length: the engine (graph + compile, graph only) and generate()'s dynamic cache."""
     B, T = b.args.batch, b.args.new_tokens
     prompts = b.prompts(B)
-    u = engine.step_uniforms(0, 0, 0, B, T, b.device)
+    u = rollout.step_uniforms(0, 0, 0, B, T, b.device)
     out = b.current  # the report's own dict: each variant is in throughput.json once measured
     out.update(batch=B, new_tokens=T, mean_prompt_tokens=sum(map(len, prompts)) / B)
     for name in [v.strip() for v in b.args.variants.split(",") if v.strip()]:
@@ -425,7 +432,7 @@ def _time_engine(b: Bench, prompts: list[list[int]], u: torch.Tensor, opts: dict
     decode step measured (prefill excluded) beside the arithmetic floor."""
     B, T = b.args.batch, b.args.new_tokens
     b.reset_peak()
-    eng = engine.StaticEngine(b.lm, **opts)
+    eng = static_engine.StaticEngine(b.lm, **opts)
     run = lambda: eng.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=b.pad, uniforms=u)  # noqa: E731
     first_s, ro = b.timed(run)
     assert int(ro.lengths.sum()) == B * T
@@ -463,7 +470,7 @@ def _time_engine(b: Bench, prompts: list[list[int]], u: torch.Tensor, opts: dict
     }
 
 
-def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int, row_groups: int = 1) -> int:
+def count_step_ops(eng: static_engine.StaticEngine, prompts: list[list[int]], pad: int, row_groups: int = 1) -> int:
     """ATen ops (views left out) one eager decode step dispatches, in row_groups row groups: about its kernels
     without torch.compile, which fuses the norms, RoPE and the elementwise ops of each layer piece and of the
     sampler."""
@@ -478,7 +485,9 @@ def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int,
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    probe = engine.StaticEngine(eng._lm(), cuda_graph=False, compile=False, check_every=1000, row_groups=row_groups)
+    probe = static_engine.StaticEngine(
+        eng._lm(), cuda_graph=False, compile=False, check_every=1000, row_groups=row_groups
+    )
     step, counts = probe._decode_step, []
 
     def counted(*a):
@@ -493,7 +502,7 @@ def count_step_ops(eng: engine.StaticEngine, prompts: list[list[int]], pad: int,
 
 
 def count_step_kernels(
-    eng: engine.StaticEngine, prompts: list[list[int]], pad: int, row_groups: int = 1
+    eng: static_engine.StaticEngine, prompts: list[list[int]], pad: int, row_groups: int = 1
 ) -> tuple[int | None, str]:
     """The GPU kernels one decode step of this variant launches (its own compile and attention settings and
     row_groups, run without a graph under torch.profiler), or (None, why) where that cannot be counted (the
@@ -503,7 +512,7 @@ def count_step_kernels(
     try:
         from torch.profiler import ProfilerActivity, profile
 
-        probe = engine.StaticEngine(
+        probe = static_engine.StaticEngine(
             eng._lm(),
             cuda_graph=False,
             compile=eng.compile,
@@ -528,12 +537,12 @@ def count_step_kernels(
 
 
 def decode_floor(
-    eng: engine.StaticEngine, prompt_lens: list[int], T: int, ops: int, row_groups: int | None = None
+    eng: static_engine.StaticEngine, prompt_lens: list[int], T: int, ops: int, row_groups: int | None = None
 ) -> dict[str, Any]:
     """The decode step's time from arithmetic on H200's datasheet: max(bytes / bandwidth, FLOPs / peak) plus
     a launch gap per kernel, averaged over T steps. Bytes: every weight matrix and the LM head once; the KV
     slots (valid: each row's prompt + t + 1; read by this engine: with SDPA, every row of a row group reads
-    its group's width, engine.group_widths over the rows sorted longest first as the engine sorts them (one
+    its group's width, static_kernels.group_widths over the rows sorted longest first as the engine sorts them (one
     group: the longest row's chunk for every row); with flex, each row's own FLEX_BLOCK blocks); the fp32
     logits' passes (write, log-softmax read and write, block sums, gather: ~5 x rows x V x 4). Kernels (ops):
     the variant's own kernel count on a GPU (count_step_kernels), else the ATen ops of one eager step (compile
@@ -547,12 +556,12 @@ def decode_floor(
     kv_slot = eng.n_layers * 2 * eng.n_kv * eng.head_dim * elt  # bytes of one slot, all layers
     valid = sum(sum(p + t + 1 for p in lens) for t in range(T)) / T  # slots per step, all rows
     if eng.attention == "flex":
-        block = engine.FLEX_BLOCK
-        read = sum(sum(_round_up(p + t + 1, block) for p in lens) for t in range(T)) / T
+        block = static_kernels.FLEX_BLOCK
+        read = sum(sum(round_up(p + t + 1, block) for p in lens) for t in range(T)) / T
     else:
-        sizes = [b - a for a, b in itertools.pairwise(engine.row_group_bounds(rows, groups))]  # rows per group
-        cap = _round_up(max(lens) + T, 256)  # the cache's slots (engine.reserve's rounding)
-        widths = [engine.group_widths(lens, groups, t, eng.kv_chunk, cap) for t in range(T)]
+        sizes = [b - a for a, b in itertools.pairwise(static_kernels.row_group_bounds(rows, groups))]  # rows per group
+        cap = round_up(max(lens) + T, 256)  # the cache's slots (engine.reserve's rounding)
+        widths = [static_kernels.group_widths(lens, groups, t, eng.kv_chunk, cap) for t in range(T)]
         read = sum(sum(r * w for r, w in zip(sizes, ws)) for ws in widths) / T
     logits = 5 * rows * eng.vocab * 4
     bytes_valid = weights * elt + valid * kv_slot + logits
@@ -586,15 +595,15 @@ def decode_floor(
 
 def section_sdpa(b: Bench) -> dict[str, Any]:
     """The SDPA kernel picked for the engine's decode (batch x longest chunk) and prefill (batch x prompt) shapes."""
-    eng = engine.StaticEngine(b.lm, cuda_graph=False, compile=False)
-    rows, Lk, P = eng.rows_for(b.args.batch), _round_up(192 + b.args.new_tokens, 64), 192
+    eng = static_engine.StaticEngine(b.lm, cuda_graph=False, compile=False)
+    rows, Lk, P = eng.rows_for(b.args.batch), round_up(192 + b.args.new_tokens, 64), 192
     out = eng.attention_backends(rows, Lk, P)
     out.update(shape_decode=f"{rows} x {Lk} slots", shape_prefill=f"{rows} x {P} tokens")
     print(f"[sdpa] decode {out['decode']} ({out['shape_decode']}), prefill {out['prefill']} ({out['shape_prefill']})")
     return out
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
@@ -605,7 +614,7 @@ def _hf_model(b: Bench) -> torch.nn.Module:
 
 def _hf_generate(b: Bench, prompts: list[list[int]], T: int, static: bool) -> dict[str, Any]:
     hf = _hf_model(b)
-    ids, mask = engine.left_pad(prompts, b.pad)
+    ids, mask = rollout.left_pad(prompts, b.pad)
     ids, mask = ids.to(b.device), mask.to(b.device)
     extra = {"cache_implementation": "static"} if static else {}
 
@@ -645,7 +654,7 @@ def section_hf_static(b: Bench) -> dict[str, Any]:
 
 
 def section_eval(b: Bench) -> dict[str, Any]:
-    """common.evaluate over the test split: the first call (graph capture) and a second, warm one."""
+    """gsm8k.evaluate over the test split: the first call (graph capture) and a second, warm one."""
     problems = b.splits["test"][: b.args.eval_size or None]
     kw = dict(
         task="gsm8k",
@@ -655,8 +664,8 @@ def section_eval(b: Bench) -> dict[str, Any]:
         show_progress=False,
     )
     b.reset_peak()
-    cold_s, res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, backend="static", **kw))
-    warm_s, res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, backend="static", **kw))
+    cold_s, res = b.timed(lambda: gsm8k.evaluate(b.lm, b.tok, problems, backend="static", **kw))
+    warm_s, res = b.timed(lambda: gsm8k.evaluate(b.lm, b.tok, problems, backend="static", **kw))
     out = {
         "problems": len(problems),
         "batch_size": b.args.eval_batch_size,
@@ -670,7 +679,7 @@ def section_eval(b: Bench) -> dict[str, Any]:
     }
     if b.args.hf_eval:
         b.reset_peak()
-        hf_s, hf_res = b.timed(lambda: common.evaluate(b.lm, b.tok, problems, backend="hf", **kw))
+        hf_s, hf_res = b.timed(lambda: gsm8k.evaluate(b.lm, b.tok, problems, backend="hf", **kw))
         out.update(hf_s=hf_s, hf_accuracy=hf_res["accuracy"], hf_peak_gib=b.peak_gib())
     return out
 
@@ -840,7 +849,7 @@ def section_train(b: Bench) -> dict[str, Any]:
     a = b.args
     rows, T = a.train_rows, a.new_tokens
     prompts = b.prompts(rows)
-    ids, mask = engine.left_pad(prompts, b.pad)
+    ids, mask = rollout.left_pad(prompts, b.pad)
     g = torch.Generator().manual_seed(0)
     resp = torch.randint(3, len(b.tok) - 1, (rows, T), generator=g)
     input_ids = torch.cat([ids, resp], 1).to(b.device)
@@ -849,11 +858,11 @@ def section_train(b: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {"rows": rows, "tokens_per_forward": tokens}
     variants = [("eager", False)] + ([("compiled", True)] if a.train_compile else [])
     for name, compile_ in variants:
-        model = engine.PolicyForward(b.lm, compile=compile_)
+        model = forward.PolicyForward(b.lm, compile=compile_)
         b.lm.train()
 
-        def step(model: engine.PolicyForward = model) -> None:
-            with runtime.autocast_ctx(b.device):
+        def step(model: forward.PolicyForward = model) -> None:
+            with distributed.autocast_ctx(b.device):
                 logp, _, _ = model(input_ids, attn, ids.shape[1])
             logp.sum().backward()
             b.lm.zero_grad(set_to_none=True)
@@ -883,7 +892,7 @@ def main() -> None:
                 n: {"rc": int(rc), "seconds": int(t)} for n, rc, t in map(str.split, parts.read_text().splitlines())
             }
         report["ratios"] = ratios(report["sections"])
-        runtime.write_json_atomic(path, report)
+        rundir.write_json_atomic(path, report)
         print_table(report)
         return
     if args.tiny:

@@ -1,7 +1,7 @@
 """TRL's GRPOTrainer with the settings bench/throughput.py gives grpo.py: seconds per optimiser step.
 
 The same model (fp32 master weights, bf16 autocast on a GPU), the same chat prompts and strict GSM8K reward
-(common.py, models.py), `prompts` x `generations` completions of at most `max_new_tokens` tokens per step, one pass
+(gsm8k.py, plumbing/models.py), `prompts` x `generations` completions of at most `max_new_tokens` tokens per step, one pass
 over them, generation through transformers' generate() (TRL's default without vLLM). Run by
 bench/throughput.py in its own process; writes {"step_seconds": [...], "peak_gib": ..., "differs_from_grpo": {...}}
 to --out: every TRL setting that differs from grpo.py's in the benchmark, printed beside the ratio. Gradient
@@ -26,7 +26,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import common  # noqa: E402
+import gsm8k
 
 
 @dataclass
@@ -149,14 +149,14 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    splits = common.load_gsm8k(args.data_dir)
+    splits = gsm8k.load_gsm8k(args.data_dir)
     rows = [
-        {"prompt": [{"role": "user", "content": common.prompt_text(p.question)}], "gold": p.gold}
+        {"prompt": [{"role": "user", "content": gsm8k.prompt_text(p.question)}], "gold": p.gold}
         for p in splits["train"][: max(args.prompts * (args.steps + 1), 64)]
-    ]  # the same user message as common.encode_prompt's chat prompt
+    ]  # the same user message as gsm8k.encode_prompt's chat prompt
 
     def gsm8k_reward(completions, gold, **kwargs) -> list[float]:
-        return [common.gsm8k_reward(c[0]["content"], g) for c, g in zip(completions, gold)]
+        return [gsm8k.gsm8k_reward(c[0]["content"], g) for c, g in zip(completions, gold)]
 
     cuda = args.device.startswith("cuda")
     n = args.prompts * args.generations

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from plumbing import models
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # import common, engine, runtime, critics from the repository root
 os.environ.setdefault("GSM8K_DIR", str(ROOT / ".." / "shared" / "data" / "gsm8k"))
@@ -50,7 +52,6 @@ def gsm8k_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    import models
 
     return models.load_tokenizer(models.TINY_MODEL)
 

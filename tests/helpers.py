@@ -136,8 +136,8 @@ def run_trainer(script: str, args: list[str], timeout: float = 300, fresh: bool 
 def process_state():
     """Whatever a trainer's main() changes in its process, put back after: the environment, the working folder,
     the SIGTERM/SIGINT handlers, torch's thread count and every global RNG (Python's, NumPy's, torch's), the
-    warning filters, transformers' log level, runtime's once-per-process notices (cleared for the run, so that it
-    prints what a fresh process prints) and run lock, and torch.compile's caches (a second run in this process
+    warning filters, transformers' log level, the run's state in runtime.RUN (its notices, stop signal, lock and
+    rollout record: begun afresh for the run, as in a fresh process, and forgotten after), and torch.compile's caches (a second run in this process
     must not hit the recompile limit a fresh process would not). A test that calls main() in its own process
     therefore leaves no trace on the next one."""
     import random
@@ -145,21 +145,19 @@ def process_state():
     import numpy as np
     import torch
 
-    import checkpoint
-    import runtime
+    from plumbing import runtime
 
     saved_env, cwd = dict(os.environ), os.getcwd()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     threads, rng = torch.get_num_threads(), (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
-    notices = set(runtime._NOTICES)
     hf_logging = sys.modules.get("transformers.utils.logging")
     verbosity = hf_logging.get_verbosity() if hf_logging else None
-    runtime._NOTICES.clear()
+    runtime.begin_run()
     try:
         with warnings.catch_warnings():
             yield
     finally:
-        checkpoint.release_run_lock()  # the lock moved with the checkpoint code
+        runtime.begin_run()  # the run's lock released, its notices and record forgotten
         os.environ.clear()
         os.environ.update(saved_env)
         os.chdir(cwd)
@@ -169,8 +167,6 @@ def process_state():
         random.setstate(rng[0])
         np.random.set_state(rng[1])
         torch.random.set_rng_state(rng[2])
-        runtime._NOTICES.clear()
-        runtime._NOTICES.update(notices)
         if verbosity is not None:
             hf_logging.set_verbosity(verbosity)
         if "torch._dynamo" in sys.modules:
@@ -212,11 +208,12 @@ def run_here(script: str, args: list[str], threads: int | None = None) -> subpro
     whose fresh process also shows every warning a user would see on stderr, which pytest captures here.
     threads: torch's thread count for the run (a fresh process's OMP_NUM_THREADS), restored after.
     """
-    import runtime
 
     out, err, rc = io.StringIO(), io.StringIO(), 0
     with as_trainer(script, args, threads) as module, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
+            from plumbing import runtime
+
             runtime.run_main(module.main)
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
@@ -307,7 +304,8 @@ def check_results(run_dir: Path, steps: int) -> dict:
 
 def check_checkpoint(run_dir: Path, step: int) -> None:
     """run_dir's checkpoint matches its manifest and was saved at `step`."""
-    import checkpoint
+
+    from plumbing import checkpoint
 
     ckpt = Path(run_dir) / checkpoint.CHECKPOINT
     checkpoint.verify_checkpoint(ckpt)

@@ -25,6 +25,8 @@ import throughput  # noqa: E402
 import trl_grpo  # noqa: E402
 from helpers import python, trainer_env  # noqa: E402
 
+from plumbing import models, static_engine  # noqa: E402
+
 
 def _env() -> dict:
     """The trainers' environment (helpers.trainer_env), and the fork server's interpreter as run_gpu.sh's PYTHON."""
@@ -186,15 +188,12 @@ def test_decode_floor_reads_the_row_groups_widths():
     """decode_floor's KV bytes read: with one group every row reads the longest row's chunk; with two row groups
     the longest eighth (here one row) reads its own width and the other rows theirs (the engine's rows sorted
     longest first); the valid bytes do not change."""
-    import engine
-    import models
-
     tok = models.load_tokenizer(models.TINY_MODEL)
     lm = models.load_model(models.TINY_MODEL, tok, seed=0)
     lens, T = [12, 200, 9, 30, 15, 11, 8, 10], 16
     slot = lm.config.num_hidden_layers * 2 * lm.config.num_key_value_heads * lm.config.head_dim * 4  # fp32 bytes
-    one = throughput.decode_floor(engine.StaticEngine(lm, row_groups=1), lens, T, ops=100)
-    two = throughput.decode_floor(engine.StaticEngine(lm, row_groups=2), lens, T, ops=100)
+    one = throughput.decode_floor(static_engine.StaticEngine(lm, row_groups=1), lens, T, ops=100)
+    two = throughput.decode_floor(static_engine.StaticEngine(lm, row_groups=2), lens, T, ops=100)
     assert one["row_groups"] == 1 and two["row_groups"] == 2
     assert one["kv_bytes_read"] == pytest.approx(sum(8 * 256 for t in range(T)) / T * slot)  # 200 + t + 1 -> 256
     assert two["kv_bytes_read"] == pytest.approx(sum(256 + 7 * 64 for t in range(T)) / T * slot)  # 30 + t + 1 -> 64

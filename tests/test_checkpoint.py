@@ -25,11 +25,8 @@ from helpers import (
     wait_for_first_step,
 )
 
-import checkpoint
-import engine
-import models
-import runtime
 from critics import build_critic
+from plumbing import checkpoint, errors, forward, models
 
 # ------------------------------------------------------------------------------------------------------
 # save_checkpoint in process
@@ -43,7 +40,7 @@ def tiny_training_state(seed: int = 0):
     opt = torch.optim.AdamW([{"params": policy.parameters()}, {"params": critic.parameters()}], lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ids = torch.randint(3, 1000, (2, 6), generator=torch.Generator().manual_seed(seed))
-    lp, _, values = engine.PolicyForward(policy, critic)(ids, torch.ones_like(ids), 3)
+    lp, _, values = forward.PolicyForward(policy, critic)(ids, torch.ones_like(ids), 3)
     (lp.sum() + values.pow(2).sum() - values.sum()).backward()
     opt.step()
     sched.step()
@@ -96,7 +93,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", broken_save)
-    with pytest.raises(runtime.WriteFailed, match="disk full"):  # one line naming the path (run_main)
+    with pytest.raises(errors.WriteFailed, match="disk full"):  # one line naming the path (run_main)
         save(tmp_path, state, 2)
     assert tree_digest(path) == before
     checkpoint.verify_checkpoint(path)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import check_one_error_line, cli, run_here
 
-import runtime
+from plumbing import distributed, runtime
 
 # (script, flag, the choices --help must list)
 CHOICES = [
@@ -96,7 +96,7 @@ def test_the_scale_picks_a_preset_and_flags_given_win(monkeypatch):
 
 def test_all_reduce_sums_returns_each_named_sum_as_a_float():
     sums = {"tokens": torch.tensor(3.0), "count": 2.0, "lengths": torch.tensor(7), "p": torch.tensor(0.1).double()}
-    out = runtime.all_reduce_sums(sums)
+    out = distributed.all_reduce_sums(sums)
     assert out == {"count": 2.0, "lengths": 7.0, "p": float(torch.tensor(0.1)), "tokens": 3.0}
     assert all(type(v) is float for v in out.values())
 

@@ -4,10 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import engine
-import models
-import runtime
 from critics import HEAD_WIDTHS, build_critic
+from plumbing import distributed, models, rollout
 
 # The table in critics.py's docstring, copied as numbers; the tests below recompute each from the shapes.
 DOCSTRING_TABLE = {
@@ -48,7 +46,7 @@ def _policy_on_meta(spec):
 
 @pytest.mark.parametrize("H", [64, 576])
 def test_head_parameter_counts(H):
-    counts = {name: runtime.count_params(build_critic(name, H)) for name in ("none", "small", "medium", "large")}
+    counts = {name: distributed.count_params(build_critic(name, H)) for name in ("none", "small", "medium", "large")}
     for name in ("small", "medium", "large"):
         assert counts[name] == mlp_params(H, HEAD_WIDTHS[name]) == DOCSTRING_TABLE[H][name]
     assert counts["none"] == 0 == DOCSTRING_TABLE[H]["none"]
@@ -61,8 +59,8 @@ def test_full_critic_parameter_count(spec):
     policy = _policy_on_meta(spec)
     critic = build_critic("full", spec["H"], policy)
     expected = llama_trunk_params(**spec) + spec["H"] + 1  # the trunk and a Linear(H, 1) head
-    assert runtime.count_params(critic) == expected == DOCSTRING_TABLE[spec["H"]]["full"]
-    assert runtime.count_params(critic) > runtime.count_params(build_critic("large", spec["H"]))
+    assert distributed.count_params(critic) == expected == DOCSTRING_TABLE[spec["H"]]["full"]
+    assert distributed.count_params(critic) > distributed.count_params(build_critic("large", spec["H"]))
 
 
 @pytest.mark.parametrize("name", ["small", "medium", "large"])
@@ -106,7 +104,7 @@ def test_full_critic_output(tiny_policy):
     critic = build_critic("full", tiny_policy.config.hidden_size, tiny_policy)
     ids = torch.randint(0, 100, (2, 5))
     mask = torch.ones_like(ids)
-    values = critic(input_ids=ids, attention_mask=mask, position_ids=engine.position_ids_from_mask(mask))
+    values = critic(input_ids=ids, attention_mask=mask, position_ids=rollout.position_ids_from_mask(mask))
     assert values.shape == (2, 5)
     assert torch.all(values == 0)
 

@@ -6,16 +6,16 @@ from collections import Counter
 
 import pytest
 
-import common
-import runtime
+import gsm8k
+from plumbing import errors
 
 
 @pytest.fixture(scope="module")
 def splits(gsm8k_dir):
-    return common.load_gsm8k(str(gsm8k_dir))
+    return gsm8k.load_gsm8k(str(gsm8k_dir))
 
 
-def _key(p: common.Problem) -> tuple[str, str]:
+def _key(p: gsm8k.Problem) -> tuple[str, str]:
     return (p.question, p.solution)
 
 
@@ -39,14 +39,14 @@ def test_gold_is_the_marked_answer(splits):
 
 def test_val_is_fixed_and_depends_only_on_val_seed(splits, gsm8k_dir, tmp_path):
     random.seed(12345)  # the global RNG must not matter
-    again = common.load_gsm8k(str(gsm8k_dir))
+    again = gsm8k.load_gsm8k(str(gsm8k_dir))
     assert list(map(_key, again["val"])) == list(map(_key, splits["val"]))
     # another test split in the folder changes nothing in val
     (tmp_path / "train.jsonl").symlink_to((gsm8k_dir / "train.jsonl").resolve())
     (tmp_path / "test.jsonl").write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
-    other_folder = common.load_gsm8k(str(tmp_path))
+    other_folder = gsm8k.load_gsm8k(str(tmp_path))
     assert list(map(_key, other_folder["val"])) == list(map(_key, splits["val"]))
-    other_seed = common.load_gsm8k(str(tmp_path), val_seed=1)
+    other_seed = gsm8k.load_gsm8k(str(tmp_path), val_seed=1)
     assert set(map(_key, other_seed["val"])) != set(map(_key, splits["val"]))
     assert len(other_seed["val"]) == 500
 
@@ -73,63 +73,63 @@ def _write(folder, train_lines, test_lines=(GOOD,)):
 def test_malformed_line_names_file_and_line(tmp_path, bad):
     # the bad row is on line 4 of the file (a blank line 3 is skipped but still counted)
     _write(tmp_path, [GOOD, GOOD, "", bad, GOOD])
-    with pytest.raises(runtime.UserError) as e:
-        common.load_gsm8k(str(tmp_path), val_size=1)
+    with pytest.raises(errors.UserError) as e:
+        gsm8k.load_gsm8k(str(tmp_path), val_size=1)
     assert f"{tmp_path / 'train.jsonl'}:4:" in str(e.value)
 
 
 def test_malformed_test_line(tmp_path):
     _write(tmp_path, [GOOD, GOOD], [GOOD, "not json"])
-    with pytest.raises(runtime.UserError, match=r"test\.jsonl:2:"):
-        common.load_gsm8k(str(tmp_path), val_size=1)
+    with pytest.raises(errors.UserError, match=r"test\.jsonl:2:"):
+        gsm8k.load_gsm8k(str(tmp_path), val_size=1)
 
 
 def test_small_folder_loads(tmp_path):
     _write(tmp_path, [GOOD, GOOD, GOOD])
-    out = common.load_gsm8k(str(tmp_path), val_size=1)
+    out = gsm8k.load_gsm8k(str(tmp_path), val_size=1)
     assert (len(out["train"]), len(out["val"]), len(out["test"])) == (2, 1, 1)
     assert out["test"][0].gold == "4"
 
 
 def test_a_file_is_parsed_once_per_version_and_a_changed_one_again(tmp_path, monkeypatch):
     calls = []
-    parse = common._parse_jsonl
-    monkeypatch.setattr(common, "_parse_jsonl", lambda path, f: calls.append(path.name) or parse(path, f))
+    parse = gsm8k._parse_jsonl
+    monkeypatch.setattr(gsm8k, "_parse_jsonl", lambda path, f: calls.append(path.name) or parse(path, f))
     _write(tmp_path, [GOOD, GOOD, GOOD])
-    first = common.load_gsm8k(str(tmp_path), val_size=1)
+    first = gsm8k.load_gsm8k(str(tmp_path), val_size=1)
     first["train"].clear()  # a caller's list is its own
-    again = common.load_gsm8k(str(tmp_path), val_size=1)
+    again = gsm8k.load_gsm8k(str(tmp_path), val_size=1)
     assert sorted(calls) == ["test.jsonl", "train.jsonl"] and len(again["train"]) == 2
     other = json.dumps({"question": "What is 5 + 5?", "answer": "5 + 5 = 10\n#### 10"})
     (tmp_path / "test.jsonl").write_text(other + "\n" + other + "\n")  # another version: read again
-    changed = common.load_gsm8k(str(tmp_path), val_size=1)
+    changed = gsm8k.load_gsm8k(str(tmp_path), val_size=1)
     assert [p.gold for p in changed["test"]] == ["10", "10"] and sorted(calls).count("test.jsonl") == 2
 
 
 def test_missing_folder(tmp_path):
-    with pytest.raises(runtime.UserError, match="does not exist"):
-        common.load_gsm8k(str(tmp_path / "nowhere"))
+    with pytest.raises(errors.UserError, match="does not exist"):
+        gsm8k.load_gsm8k(str(tmp_path / "nowhere"))
 
 
 def test_missing_file(tmp_path):
     _write(tmp_path, [GOOD, GOOD])
     (tmp_path / "test.jsonl").unlink()
-    with pytest.raises(runtime.UserError, match="test.jsonl"):
-        common.load_gsm8k(str(tmp_path), val_size=1)
+    with pytest.raises(errors.UserError, match="test.jsonl"):
+        gsm8k.load_gsm8k(str(tmp_path), val_size=1)
 
 
 @pytest.mark.parametrize("which", ["train", "test"])
 def test_empty_split(tmp_path, which):
     _write(tmp_path, [GOOD, GOOD], [GOOD])
     (tmp_path / f"{which}.jsonl").write_text("\n\n")
-    with pytest.raises(runtime.UserError, match=which):
-        common.load_gsm8k(str(tmp_path), val_size=0)
+    with pytest.raises(errors.UserError, match=which):
+        gsm8k.load_gsm8k(str(tmp_path), val_size=0)
 
 
 def test_val_size_too_large(tmp_path):
     _write(tmp_path, [GOOD, GOOD])
-    with pytest.raises(runtime.UserError, match="val-size"):
-        common.load_gsm8k(str(tmp_path), val_size=2)
+    with pytest.raises(errors.UserError, match="val-size"):
+        gsm8k.load_gsm8k(str(tmp_path), val_size=2)
 
 
 # ---------------------------------------------------------------------------------------------- PromptSampler
@@ -144,20 +144,20 @@ def _draw(sampler, total, k):
 
 @pytest.mark.parametrize("n,k", [(10, 3), (7, 7), (5, 12), (1, 2)])
 def test_sampler_covers_every_index_once_per_epoch(n, k):
-    seq = _draw(common.PromptSampler(n, seed=3), 4 * n, k)
+    seq = _draw(gsm8k.PromptSampler(n, seed=3), 4 * n, k)
     for e in range(4):
         assert sorted(seq[e * n : (e + 1) * n]) == list(range(n))
 
 
 def test_sampler_batches_have_the_asked_size():
-    s = common.PromptSampler(10, seed=0)
+    s = gsm8k.PromptSampler(10, seed=0)
     assert [len(s.next(k)) for k in (3, 4, 10, 25)] == [3, 4, 10, 25]
 
 
 def test_sampler_is_deterministic_and_seeded():
-    a = _draw(common.PromptSampler(50, seed=1), 200, 7)
-    b = _draw(common.PromptSampler(50, seed=1), 200, 7)
-    c = _draw(common.PromptSampler(50, seed=2), 200, 7)
+    a = _draw(gsm8k.PromptSampler(50, seed=1), 200, 7)
+    b = _draw(gsm8k.PromptSampler(50, seed=1), 200, 7)
+    c = _draw(gsm8k.PromptSampler(50, seed=2), 200, 7)
     assert a == b
     assert a != c
     assert a[:50] != a[50:100]  # each epoch is reshuffled
@@ -165,10 +165,10 @@ def test_sampler_is_deterministic_and_seeded():
 
 @pytest.mark.parametrize("steps", [0, 1, 7, 8, 23])
 def test_sampler_state_round_trips(steps):
-    a = common.PromptSampler(16, seed=5)
+    a = gsm8k.PromptSampler(16, seed=5)
     for _ in range(steps):
         a.next(5)
     state = json.loads(json.dumps(a.state_dict()))  # the checkpoint stores it as JSON
-    b = common.PromptSampler(16, seed=5)
+    b = gsm8k.PromptSampler(16, seed=5)
     b.load_state_dict(state)
     assert _draw(b, 60, 5) == _draw(a, 60, 5)

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from helpers import SMALL_RUN, check_ok, check_one_error_line, cli, run_here
 
-import checkpoint
-import common
 import dpo
 import grpo
+import gsm8k
 import ppo
 import report
+from plumbing import checkpoint
 
 RUN = {**SMALL_RUN, "val_size": 4}
 
@@ -63,7 +63,7 @@ def test_results_and_checkpoint_carry_the_fingerprint_and_the_folder_read(first_
     run_dir, data = first_run
     results = json.loads((run_dir / "results.json").read_text())
     assert results["args"]["data_dir"] is None  # as given: the folder came from GSM8K_DIR
-    expected = common.data_fingerprint(common.load_gsm8k(str(data), val_size=4))
+    expected = gsm8k.data_fingerprint(gsm8k.load_gsm8k(str(data), val_size=4))
     assert expected["train"]["n"] == 146 and expected["val"]["n"] == 4 and expected["test"]["n"] == 20
     assert results["data"] == {"folder": str(data.resolve()), **expected}
     state = json.loads((run_dir / checkpoint.CHECKPOINT / "state.json").read_text())
@@ -71,16 +71,16 @@ def test_results_and_checkpoint_carry_the_fingerprint_and_the_folder_read(first_
 
 
 def test_the_fingerprint_changes_with_any_problem_and_with_the_order():
-    ps = [common.Problem(f"q{i}", f"a{i} #### {i}", str(i)) for i in range(5)]
-    fp = common.data_fingerprint({"train": ps})["train"]
+    ps = [gsm8k.Problem(f"q{i}", f"a{i} #### {i}", str(i)) for i in range(5)]
+    fp = gsm8k.data_fingerprint({"train": ps})["train"]
     assert fp["n"] == 5 and len(fp["sha256"]) == 64
-    assert common.data_fingerprint({"train": list(ps)})["train"] == fp
-    edited = [*ps[:2], common.Problem("q2", "a2 #### 3", "3"), *ps[3:]]
-    assert common.data_fingerprint({"train": edited})["train"]["sha256"] != fp["sha256"]
-    assert common.data_fingerprint({"train": ps[::-1]})["train"]["sha256"] != fp["sha256"]
-    joined = [common.Problem("q0a", "0 #### 0", "0")]  # the same characters split differently
-    assert common.data_fingerprint({"train": joined}) != common.data_fingerprint(
-        {"train": [common.Problem("q0", "a0 #### 0", "0")]}
+    assert gsm8k.data_fingerprint({"train": list(ps)})["train"] == fp
+    edited = [*ps[:2], gsm8k.Problem("q2", "a2 #### 3", "3"), *ps[3:]]
+    assert gsm8k.data_fingerprint({"train": edited})["train"]["sha256"] != fp["sha256"]
+    assert gsm8k.data_fingerprint({"train": ps[::-1]})["train"]["sha256"] != fp["sha256"]
+    joined = [gsm8k.Problem("q0a", "0 #### 0", "0")]  # the same characters split differently
+    assert gsm8k.data_fingerprint({"train": joined}) != gsm8k.data_fingerprint(
+        {"train": [gsm8k.Problem("q0", "a0 #### 0", "0")]}
     )
 
 
@@ -106,7 +106,7 @@ def test_a_resume_with_one_test_answer_changed_is_refused_naming_test(first_run,
     proc = _resume(run_dir, allow_data_change=True)
     check_ok(proc)
     assert "--allow-data-change: resuming on changed data (test 20 -> 20" in proc.stdout
-    new = common.data_fingerprint(common.load_gsm8k(str(data), val_size=4))
+    new = gsm8k.data_fingerprint(gsm8k.load_gsm8k(str(data), val_size=4))
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 1 and results["data"]["test"] == new["test"]
     assert results["data"]["test"] != json.loads((first_run[0] / "results.json").read_text())["data"]["test"]

@@ -30,9 +30,8 @@ import pytest
 import torch
 from helpers import REPO, check_ok, cli, command, python, run_here, signal_at, trainer_env, wait_for_first_step
 
-import checkpoint
-import common
-import models
+import gsm8k
+from plumbing import checkpoint, models
 
 # Small enough that a torchrun of two steps takes about ten seconds on two cores (mostly startup).
 BASE = {
@@ -75,7 +74,7 @@ def data_dir(tmp_path_factory, tiny_tokenizer) -> Path:
         a, b = 10 + i % 80, 3 + (i * 7) % 50
         question = f"Tom has {a} apples and buys {b} more. How many apples does he have now?"
         rows.append({"question": question, "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b}.\n#### {a + b}"})
-    lengths = [len(common.encode_prompt(tiny_tokenizer, r["question"])) for r in rows]
+    lengths = [len(gsm8k.encode_prompt(tiny_tokenizer, r["question"])) for r in rows]
     common_length = Counter(lengths).most_common(1)[0][0]
     rows = [r for r, n in zip(rows, lengths) if n == common_length]
     assert len(rows) >= 200
@@ -363,9 +362,9 @@ STOP_RUNS = {  # 4 test batches a rank (3 left after the first); offline DPO sam
 @pytest.mark.parametrize(
     "script, at, during",
     [
-        ("ppo.py", "common.evaluate:2", "an evaluation"),  # the final validation is call 1 (--eval-every 0), the test 2
-        ("ppo.py", "common.mc_values:2", "the Monte Carlo measurement"),  # at step 2 (--mc-every 1), before its update
-        ("dpo.py", "engine.generate:1", "the offline pair sampling"),  # the first chunk's rollouts
+        ("ppo.py", "gsm8k.evaluate:2", "an evaluation"),  # the final validation is call 1 (--eval-every 0), the test 2
+        ("ppo.py", "measure.mc_values:2", "the Monte Carlo measurement"),  # at step 2 (--mc-every 1), before its update
+        ("dpo.py", "plumbing.generation.generate:1", "the offline pair sampling"),  # the first chunk's rollouts
     ],
 )
 def test_a_signal_to_one_rank_outside_the_step_stops_every_rank_at_once(tmp_path, data_dir, script, at, during):

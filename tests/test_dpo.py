@@ -25,9 +25,9 @@ from helpers import (
     tree_digest,
 )
 
-import checkpoint
 import common
-import models
+import gsm8k
+from plumbing import checkpoint, models, rollout
 
 # Four pairs (offline) or four prompts (online) a step, K = 4 samples of up to 8 tokens, 8 offline prompts.
 DPO_TINY = {
@@ -145,7 +145,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def train_split():
-    return common.load_gsm8k(require_gsm8k_dir())["train"]  # dpo.py's default --val-size carve-out
+    return gsm8k.load_gsm8k(require_gsm8k_dir())["train"]  # dpo.py's default --val-size carve-out
 
 
 def test_gold_pairs_are_the_reference_solution_against_a_wrong_sample(dpo_run, tok, train_split):
@@ -153,12 +153,12 @@ def test_gold_pairs_are_the_reference_solution_against_a_wrong_sample(dpo_run, t
     assert len({p["prompt"] for p in pairs}) == len(pairs) == DPO_TINY["offline-prompts"]  # tiny is always wrong
     for p in pairs:
         problem = train_split[p["prompt"]]
-        solution = common.reference_solution(problem)
+        solution = gsm8k.reference_solution(problem)
         assert p["chosen"] == tok(solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         assert tok.decode(p["chosen"], skip_special_tokens=True) == solution
         assert solution.endswith(f"#### {problem.gold}") and "<<" not in solution
         rejected = tok.decode(p["rejected"], skip_special_tokens=True)
-        assert common.score("gsm8k", [rejected], [p["rejected"]], [problem.gold]) == [0.0]
+        assert gsm8k.score("gsm8k", [rejected], [p["rejected"]], [problem.gold]) == [0.0]
         assert 1 <= len(p["rejected"]) <= DPO_TINY["max-new-tokens"]  # a sample, not a solution
 
 
@@ -168,28 +168,28 @@ def test_self_pairs_are_a_correct_and_an_incorrect_sample(dpo_run, tok, train_sp
     for p in pairs:
         gold = train_split[p["prompt"]].gold
         texts = [tok.decode(p[side], skip_special_tokens=True) for side in ("chosen", "rejected")]
-        assert common.score("toy", texts, [p["chosen"], p["rejected"]], [gold, gold]) == [1.0, 0.0]
+        assert gsm8k.score("toy", texts, [p["chosen"], p["rejected"]], [gold, gold]) == [1.0, 0.0]
         for side in ("chosen", "rejected"):
             assert 1 <= len(p[side]) <= DPO_TINY["max-new-tokens"]
 
 
 def test_reference_solution_by_hand():
-    problem = common.Problem(
+    problem = gsm8k.Problem(
         question="q",
         solution="She sold 48/2 = <<48/2=24>>24 clips in May.\nIn all 48+24 = <<48+24=72>>72 clips.\n#### 1,072",
         gold="1072",
     )
-    assert common.reference_solution(problem) == "She sold 48/2 = 24 clips in May.\nIn all 48+24 = 72 clips.\n#### 1072"
+    assert gsm8k.reference_solution(problem) == "She sold 48/2 = 24 clips in May.\nIn all 48+24 = 72 clips.\n#### 1072"
 
 
 def test_reference_solution_of_every_train_problem_scores_one():
-    problems = common.load_gsm8k(require_gsm8k_dir(), val_size=0)["train"]  # the whole of train.jsonl
+    problems = gsm8k.load_gsm8k(require_gsm8k_dir(), val_size=0)["train"]  # the whole of train.jsonl
     assert len(problems) == 7473
     for p in problems:
-        text = common.reference_solution(p)
+        text = gsm8k.reference_solution(p)
         assert "<<" not in text and ">>" not in text, text
         assert text.endswith(f"\n#### {p.gold}"), text[-60:]
-        assert common.gsm8k_reward(text, p.gold) == 1.0, text[-60:]
+        assert gsm8k.gsm8k_reward(text, p.gold) == 1.0, text[-60:]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_sequence_logprobs_equal_a_direct_computation(dpo_run, tok, train_split)
     lengths = {len(p[side]) for p in pairs for side in ("chosen", "rejected")}
     assert len(lengths) > 2, "the test needs responses of several lengths (padding)"
     for p in pairs:
-        prompt = common.encode_prompt(tok, train_split[p["prompt"]].question)
+        prompt = gsm8k.encode_prompt(tok, train_split[p["prompt"]].question)
         for side in ("chosen", "rejected"):
             response = p[side]
             ids = torch.tensor([prompt + response])
@@ -316,7 +316,7 @@ def test_an_online_step_without_pairs_logs_nan_not_zero(tmp_path, monkeypatch):
     the worst possible preference)."""
     batch, k = 2, 2
     calls = []
-    real_score = common.score
+    real_score = gsm8k.score
 
     def score(task, texts, token_ids, golds):
         if len(texts) != batch * k:  # evaluation
@@ -324,7 +324,7 @@ def test_an_online_step_without_pairs_logs_nan_not_zero(tmp_path, monkeypatch):
         calls.append(len(texts))
         return [1.0, 0.0] * batch if len(calls) == 1 else [1.0] * (batch * k)
 
-    monkeypatch.setattr(common, "score", score)
+    monkeypatch.setattr(gsm8k, "score", score)
     flags = dict(
         pairs="self",
         online=True,
@@ -388,17 +388,16 @@ def test_a_new_run_never_takes_pairs_it_did_not_sample(tmp_path):
 def test_offline_sampling_draws_uniforms_in_proportion_to_the_chunk_not_to_offline_prompts(tmp_path, monkeypatch):
     """--offline-prompts 1000000 (the head-to-head's) used to draw a [1e6 x K, T] fp64 table per chunk on every
     rank (15 GiB at the study's scale); only the chunk's rows may be drawn."""
-    import engine
 
     drawn = []
-    real = engine.step_uniforms
+    real = rollout.step_uniforms
 
     def step_uniforms(seed, step, stream, rows, steps, device):
         drawn.append(rows)
         assert rows <= 4096, f"a uniform table of {rows} rows for a chunk of {chunk} prompts x {k} samples"
         return real(seed, step, stream, rows, steps, device)
 
-    monkeypatch.setattr(engine, "step_uniforms", step_uniforms)
+    monkeypatch.setattr(rollout, "step_uniforms", step_uniforms)
     chunk, k = 4, DPO_TINY["samples-per-prompt"]
     flags = dict(pairs="gold", offline_prompts=1_000_000, token_budget=1, eval_batch_size=chunk, total_steps=1)
     run_in_process("dpo", cli(tmp_path / "run", DPO_TINY, **flags))

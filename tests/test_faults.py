@@ -10,15 +10,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import SMALL_RUN, check_ok, check_one_error_line, cli, copy_run, read_metrics, run_here, tree_digest
 from test_dpo import DPO_TINY
 from test_sweep import sweep
 
-import checkpoint
-import common
-import engine
-import models
-import runtime
+import gsm8k
+import intervals
+import measure
+from plumbing import checkpoint, errors, generation, logs, models, rundir
 
 # ------------------------------------------------------------------------------------------------------
 # 1. Nothing outside the run folder is written or read by following a symbolic link
@@ -79,9 +79,9 @@ def test_the_lock_never_opens_through_a_link(tmp_path, monkeypatch):
     outside = _outside(tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / ".lock").symlink_to(outside / "precious.txt")
-    monkeypatch.setattr(checkpoint, "refuse_links", lambda *a, **k: None, raising=False)  # planted after the check
-    with pytest.raises(runtime.UserError, match="cannot write in the run folder"):
-        checkpoint.RunLock(tmp_path / "run").acquire()
+    monkeypatch.setattr(rundir, "refuse_links", lambda *a, **k: None)  # planted after the check
+    with pytest.raises(errors.UserError, match="cannot write in the run folder"):
+        rundir.RunLock(tmp_path / "run").acquire()
     assert (outside / "precious.txt").read_text() == "not the run's\n"
 
 
@@ -150,7 +150,7 @@ def test_a_write_failing_during_a_save_is_one_line_and_keeps_the_last_checkpoint
 
 def test_a_full_disk_while_logging_is_one_line_naming_the_file(tmp_path, monkeypatch):
 
-    logger = runtime.MetricsLogger(tmp_path, enabled=True)
+    logger = logs.MetricsLogger(tmp_path, enabled=True)
     logger.tb = None
 
     class Full:
@@ -231,7 +231,7 @@ def test_a_stop_signal_anywhere_stops_at_once_and_resume_redoes_only_what_is_mis
 ):
 
     run_dir = tmp_path / "run"
-    module = checkpoint if where == "save_checkpoint" else common
+    module = {"save_checkpoint": checkpoint, "evaluate": gsm8k, "monte_carlo": measure}[where]
     seen = _signal_on_call(monkeypatch, module, where, nth)
     proc = run_here("ppo.py", cli(run_dir, **STOPPED_RUN))
     check_ok(proc)
@@ -255,7 +255,7 @@ def test_a_stop_signal_during_dpo_pair_sampling_stops_at_once_and_nothing_is_lef
     straight = tmp_path / "straight"
     check_ok(run_here("dpo.py", cli(straight, DPO_TINY, **flags)))
     run_dir = tmp_path / "run"
-    seen = _signal_on_call(monkeypatch, engine, "generate", 1)  # the first sampling batch of the offline pairs
+    seen = _signal_on_call(monkeypatch, generation, "generate", 1)  # the first sampling batch of the offline pairs
     proc = run_here("dpo.py", cli(run_dir, DPO_TINY, **flags))
     check_ok(proc)
     assert seen["calls"] == 1, "the pair sampling went on after the signal"
@@ -306,15 +306,15 @@ def test_a_crafted_checkpoint_state_is_one_line(finished_run, tmp_path, crafted)
 
 def test_an_evaluation_of_zero_problems_reads_absent_not_zero(tiny_tokenizer):
     model = models.load_model(models.TINY_MODEL, tiny_tokenizer)
-    res = common.evaluate(
+    res = gsm8k.evaluate(
         model, tiny_tokenizer, [], task="gsm8k", prompt_format="chat", max_new_tokens=4, batch_size=4,
         show_progress=False,
     )  # fmt: skip
     assert res["n"] == 0
     assert res["accuracy"] is None and res["format_rate"] is None and res["mean_tokens"] is None
     assert res["ci95"] == [None, None]
-    assert common.eval_metrics("test", res) == {"test/seconds": res["seconds"]}  # the rest absent
-    assert common.ratio(0, 0) is None and common.ratio(3, 4) == 0.75
+    assert gsm8k.eval_metrics("test", res) == {"test/seconds": res["seconds"]}  # the rest absent
+    assert intervals.ratio(0, 0) is None and intervals.ratio(3, 4) == 0.75
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -352,13 +352,13 @@ def test_a_prompt_beyond_the_models_context_is_refused_before_any_work(tmp_path,
 
 def test_the_memory_estimate_is_made_again_with_the_longest_prompt(monkeypatch):
     batches = {"--eval-batch-size": (64, 8)}
-    models.check_generation_memory(models.TINY_MODEL, runtime.torch.device("cpu"), batches)  # passes
+    models.check_generation_memory(models.TINY_MODEL, torch.device("cpu"), batches)  # passes
     config = models.tiny_config()
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 64
     fits = per_token * (models.PROMPT_TOKENS + 8) + 64 * config.vocab_size * 4
     monkeypatch.setattr(models, "device_memory_bytes", lambda device: fits)  # room for 256-token prompts only
     models.recheck_generation_memory(models.PROMPT_TOKENS)
-    with pytest.raises(runtime.UserError, match="up to 1000 \\+ 8 tokens"):
+    with pytest.raises(errors.UserError, match="up to 1000 \\+ 8 tokens"):
         models.recheck_generation_memory(1000)
 
 
@@ -411,5 +411,5 @@ def test_a_cache_still_damaged_after_the_rebuild_is_refused_with_the_command_tha
         return folder
 
     monkeypatch.setattr(models, "_dequantised_cache", rebuild_damaged)
-    with pytest.raises(runtime.UserError, match=f"clear the cache with: rm -rf {tmp_path / 'cache'}"):
+    with pytest.raises(errors.UserError, match=f"clear the cache with: rm -rf {tmp_path / 'cache'}"):
         models.load_tokenizer(models.TINY_MODEL)

@@ -1,7 +1,7 @@
 """Generation against the training forward, on the CPU in fp32: the rollout must be what the update thinks it is.
 
 A rollout's log-probs become PPO's old log-probs and its hidden states the critic's old values; its mask
-decides which tokens enter the loss. Each of these is checked here against engine.PolicyForward (the
+decides which tokens enter the loss. Each of these is checked here against forward.PolicyForward (the
 training forward) or against transformers' own generate().
 """
 
@@ -13,9 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import common
-import engine
-import models
+import gsm8k
+from plumbing import forward, generation, models, rollout
 
 CPU = torch.device("cpu")
 QUESTIONS = [
@@ -43,13 +42,13 @@ def tiny_lm(tok):
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    out = [common.encode_prompt(tok, q) for q in QUESTIONS]
+    out = [gsm8k.encode_prompt(tok, q) for q in QUESTIONS]
     assert len({len(p) for p in out}) == len(out), "the prompts must differ in length to exercise left padding"
     return out
 
 
-def sample(lm, tok, prompts, uniforms, **kw) -> engine.Rollout:
-    return engine.generate(
+def sample(lm, tok, prompts, uniforms, **kw) -> rollout.Rollout:
+    return generation.generate(
         lm, prompts, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, uniforms=uniforms, **{"max_new_tokens": 24, **kw}
     )
 
@@ -68,14 +67,14 @@ def test_batched_forward_matches_each_sequence_alone(tiny_lm, tok, prompts):
     # Responses of different lengths after prompts of different lengths: left padding and right padding.
     g = torch.Generator().manual_seed(0)
     responses = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in (5, 9, 2)]
-    ids, pmask = engine.left_pad(prompts, tok.pad_token_id)
+    ids, pmask = rollout.left_pad(prompts, tok.pad_token_id)
     T = max(len(r) for r in responses)
     rids = torch.full((len(prompts), T), tok.pad_token_id)
     rmask = torch.zeros((len(prompts), T), dtype=torch.long)
     for i, r in enumerate(responses):
         rids[i, : len(r)] = torch.tensor(r)
         rmask[i, : len(r)] = 1
-    fwd = engine.PolicyForward(tiny_lm)
+    fwd = forward.PolicyForward(tiny_lm)
     with torch.no_grad():
         logp, ent, _ = fwd(torch.cat([ids, rids], 1), torch.cat([pmask, rmask], 1), ids.shape[1])
         for i, (p, r) in enumerate(zip(prompts, responses)):
@@ -86,7 +85,7 @@ def test_batched_forward_matches_each_sequence_alone(tiny_lm, tok, prompts):
 
 
 def test_greedy_matches_transformers_generate(tiny_lm, tok, prompts):
-    ro = engine.generate(tiny_lm, prompts, max_new_tokens=24, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    ro = generation.generate(tiny_lm, prompts, max_new_tokens=24, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     hf = tiny_lm.generate(
         input_ids=ro.prompt_ids,
         attention_mask=ro.prompt_mask,
@@ -104,8 +103,8 @@ def test_greedy_matches_transformers_generate(tiny_lm, tok, prompts):
 def test_greedy_matches_transformers_generate_smollm2():
     tok = models.load_tokenizer("smollm2")
     lm = models.load_model("smollm2", tok).eval()
-    prompts = [common.encode_prompt(tok, q) for q in QUESTIONS]
-    ro = engine.generate(lm, prompts, max_new_tokens=24, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    prompts = [gsm8k.encode_prompt(tok, q) for q in QUESTIONS]
+    ro = generation.generate(lm, prompts, max_new_tokens=24, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     hf = lm.generate(
         input_ids=ro.prompt_ids,
         attention_mask=ro.prompt_mask,
@@ -120,24 +119,26 @@ def test_greedy_matches_transformers_generate_smollm2():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_rollout_logprobs_match_training_forward(tiny_lm, tok, prompts, temperature):
-    u = engine.step_uniforms(seed=3, step=0, stream=0, rows=len(prompts), steps=24, device=CPU)
+    u = rollout.step_uniforms(seed=3, step=0, stream=0, rows=len(prompts), steps=24, device=CPU)
     ro = sample(tiny_lm, tok, prompts, u, temperature=temperature)
     assert ro.response_mask.sum() > 10
     with torch.no_grad():
-        logp, _, _ = engine.PolicyForward(tiny_lm)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1], temperature)
+        logp, _, _ = forward.PolicyForward(tiny_lm)(
+            ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1], temperature
+        )
     torch.testing.assert_close(logp, ro.logprobs, atol=LOGP_ROLLOUT, rtol=0)
     if temperature != 1.0:  # the temperature must actually enter both: at T = 1 the log-probs differ
         with torch.no_grad():
-            at_one, _, _ = engine.PolicyForward(tiny_lm)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1])
+            at_one, _, _ = forward.PolicyForward(tiny_lm)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1])
         assert (at_one - ro.logprobs).abs().max() > 100 * LOGP_ROLLOUT
 
 
 def test_rollout_hidden_states_match_training_forward(tiny_lm, tok, prompts):
-    u = engine.step_uniforms(seed=4, step=0, stream=0, rows=len(prompts), steps=24, device=CPU)
+    u = rollout.step_uniforms(seed=4, step=0, stream=0, rows=len(prompts), steps=24, device=CPU)
     ro = sample(tiny_lm, tok, prompts, u, return_hidden=True)
     rec = RecordState()
     with torch.no_grad():
-        _, _, values = engine.PolicyForward(tiny_lm, rec)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1])
+        _, _, values = forward.PolicyForward(tiny_lm, rec)(ro.input_ids, ro.attention_mask, ro.prompt_ids.shape[1])
     assert ro.hidden.shape == rec.state.shape  # [B, T, H]
     m = ro.response_mask.bool()
     torch.testing.assert_close(ro.hidden[m], rec.state[m], atol=HIDDEN, rtol=0)
@@ -176,7 +177,7 @@ def test_response_mask_from_lengths_keeps_eos(tiny_lm, tok, prompts):
     eos, pad = tok.eos_token_id, tok.pad_token_id
     assert eos != pad
     # row 0 ends at step 1, row 1 at step 3, row 2 runs to max_new_tokens.
-    u = engine.step_uniforms(seed=5, step=0, stream=0, rows=3, steps=8, device=CPU)
+    u = rollout.step_uniforms(seed=5, step=0, stream=0, rows=3, steps=8, device=CPU)
     with forced_eos(tiny_lm, eos, {1: [0], 3: [1]}):
         ro = sample(tiny_lm, tok, prompts, u, max_new_tokens=8)
     assert ro.lengths.tolist() == [2, 4, 8]
@@ -187,7 +188,7 @@ def test_response_mask_from_lengths_keeps_eos(tiny_lm, tok, prompts):
     assert ro.response_ids[0, 1] == eos and ro.response_ids[1, 3] == eos  # EOS itself is inside the mask
     assert ro.logprobs[0, 1] == 0.0 and ro.logprobs[1, 3] == 0.0  # log 1: all mass was put on EOS
     assert torch.equal(ro.attention_mask[:, ro.prompt_ids.shape[1] :], ro.response_mask.long())
-    texts, ids = engine.decode_responses(tok, ro)
+    texts, ids = rollout.decode_responses(tok, ro)
     assert [len(x) for x in ids] == [2, 4, 8] and ids[0][-1] == eos
 
 
@@ -198,26 +199,26 @@ def test_generation_stops_once_every_row_has_ended(tiny_lm, tok, prompts):
 
 
 def test_step_uniforms_are_deterministic():
-    a = engine.step_uniforms(seed=1, step=7, stream=0, rows=4, steps=16, device=CPU)
-    assert torch.equal(a, engine.step_uniforms(seed=1, step=7, stream=0, rows=4, steps=16, device=CPU))
+    a = rollout.step_uniforms(seed=1, step=7, stream=0, rows=4, steps=16, device=CPU)
+    assert torch.equal(a, rollout.step_uniforms(seed=1, step=7, stream=0, rows=4, steps=16, device=CPU))
     for other in [dict(seed=2, step=7, stream=0), dict(seed=1, step=8, stream=0), dict(seed=1, step=7, stream=1)]:
-        assert not torch.equal(a, engine.step_uniforms(**other, rows=4, steps=16, device=CPU))
+        assert not torch.equal(a, rollout.step_uniforms(**other, rows=4, steps=16, device=CPU))
     assert a.dtype == torch.float64 and 0 <= a.min() and a.max() < 1
 
 
 def test_sampling_is_deterministic(tiny_lm, tok, prompts):
-    u = engine.step_uniforms(seed=1, step=0, stream=0, rows=3, steps=24, device=CPU)
+    u = rollout.step_uniforms(seed=1, step=0, stream=0, rows=3, steps=24, device=CPU)
     a, b = sample(tiny_lm, tok, prompts, u), sample(tiny_lm, tok, prompts, u)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
-    c = sample(tiny_lm, tok, prompts, engine.step_uniforms(seed=1, step=1, stream=0, rows=3, steps=24, device=CPU))
+    c = sample(tiny_lm, tok, prompts, rollout.step_uniforms(seed=1, step=1, stream=0, rows=3, steps=24, device=CPU))
     assert not torch.equal(a.response_ids, c.response_ids)
 
 
 def test_a_row_depends_only_on_its_own_uniforms(tiny_lm, tok, prompts):
     # The same batch, other rows' uniforms changed: row 0's rollout is bitwise the same.
-    u = engine.step_uniforms(seed=1, step=0, stream=0, rows=3, steps=24, device=CPU)
+    u = rollout.step_uniforms(seed=1, step=0, stream=0, rows=3, steps=24, device=CPU)
     v = u.clone()
-    v[1:] = engine.step_uniforms(seed=9, step=0, stream=0, rows=2, steps=24, device=CPU)
+    v[1:] = rollout.step_uniforms(seed=9, step=0, stream=0, rows=2, steps=24, device=CPU)
     a, b = sample(tiny_lm, tok, prompts, u), sample(tiny_lm, tok, prompts, v)
     assert not torch.equal(a.response_ids[1:], b.response_ids[1:])
     assert torch.equal(a.response_ids[0], b.response_ids[0]) and torch.equal(a.logprobs[0], b.logprobs[0])
@@ -240,7 +241,7 @@ def test_a_prompt_alone_samples_what_it_samples_in_a_batch(tiny_lm, tok, prompts
     row's uniforms would differ at a random place in the CDF and fail this.
     """
     T = 24
-    u = engine.step_uniforms(seed=2, step=0, stream=0, rows=3, steps=T, device=CPU)
+    u = rollout.step_uniforms(seed=2, step=0, stream=0, rows=3, steps=T, device=CPU)
     batch = sample(tiny_lm, tok, prompts, u, return_hidden=True)
     alone = sample(tiny_lm, tok, prompts[row : row + 1], u[row : row + 1], return_hidden=True)
     x, y = batch.response_ids[row], alone.response_ids[0]
@@ -251,7 +252,7 @@ def test_a_prompt_alone_samples_what_it_samples_in_a_batch(tiny_lm, tok, prompts
     if t is not None:
         logits = tiny_lm.lm_head(batch.hidden[row, t][None]).detach()  # [1, V]
         eps = 1e-6
-        lo = engine.sample_tokens(logits, u[row, t : t + 1] - eps, 1.0, 1.0)[0].item()
-        hi = engine.sample_tokens(logits, u[row, t : t + 1] + eps, 1.0, 1.0)[0].item()
+        lo = rollout.sample_tokens(logits, u[row, t : t + 1] - eps, 1.0, 1.0)[0].item()
+        hi = rollout.sample_tokens(logits, u[row, t : t + 1] + eps, 1.0, 1.0)[0].item()
         chosen = sorted([x[t].item(), y[t].item()])
         assert lo <= chosen[0] and chosen[1] <= hi, f"step {t}: alone {y[t].item()}, in the batch {x[t].item()}"

@@ -23,9 +23,9 @@ from helpers import (
 )
 
 import common
-import engine
-import models
-import runtime
+import gsm8k
+import measure
+from plumbing import errors, forward, generation, models
 
 # Two prompts x four completions of up to 8 tokens, the MC measurement on one prompt with K = 2: seconds.
 GRPO_TINY = {
@@ -171,7 +171,7 @@ def test_loss_weights_of_a_whole_minibatch():
     n_tok, n_seq = MASK.sum(), torch.tensor(2.0)
     totals = {mode: common.loss_weights(MASK, mode, n_tok, n_seq, 4).sum().item() for mode in LOSS_NORMS}
     assert totals == pytest.approx({"token": 1.0, "sequence": 1.0, "constant": 0.5})
-    with pytest.raises(runtime.UserError, match="--loss-norm"):
+    with pytest.raises(errors.UserError, match="--loss-norm"):
         common.loss_weights(MASK, "mean", n_tok, n_seq, 4)
 
 
@@ -202,6 +202,17 @@ HAND_BASELINES = {
     "loo": [0, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 2 / 3, 2 / 3, 0, 0, 0, 0],
 }
 # (scale, baseline, loss norm, clip_eps_high): the four advantage modes, each loss norm at least once
+# where each watched function lives: the trainer calls it through that module, so the watch goes there
+HOME = {
+    "score": gsm8k,
+    "generate": generation,
+    "mc_values": measure,
+    "baseline_error": measure,
+    "length_sorted_micro_batches": forward,
+    "clipped_surrogate": common,
+    "loss_weights": common,
+    "kl_estimate": common,
+}
 IN_PROCESS = {
     "group-mean": ("group", "mean", "token", None),
     "none-mean": ("none", "mean", "constant", 0.28),
@@ -217,7 +228,7 @@ def watched_run(name: str, run_dir) -> dict:
     events: list[tuple] = []
     rec: dict = {"events": events, "generate": [], "mc_values": [], "baseline_error": [], "kl": []}
     real = {
-        name: getattr(engine if name in ("generate", "length_sorted_micro_batches") else common, name)
+        name: getattr(HOME[name], name)
         for name in (
             "score",
             "generate",
@@ -290,11 +301,11 @@ def watched_run(name: str, run_dir) -> dict:
         eval_max_new_tokens=1,
     )
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(common, "score", score)
-        mp.setattr(engine, "generate", generate)
-        mp.setattr(common, "mc_values", mc_values)
-        mp.setattr(common, "baseline_error", baseline_error)
-        mp.setattr(engine, "length_sorted_micro_batches", micro_batches)
+        mp.setattr(gsm8k, "score", score)
+        mp.setattr(generation, "generate", generate)
+        mp.setattr(measure, "mc_values", mc_values)
+        mp.setattr(measure, "baseline_error", baseline_error)
+        mp.setattr(forward, "length_sorted_micro_batches", micro_batches)
         mp.setattr(common, "clipped_surrogate", surrogate)
         mp.setattr(common, "loss_weights", loss_weights)
         mp.setattr(common, "kl_estimate", kl_estimate)
@@ -400,10 +411,10 @@ def test_the_baseline_is_measured_against_k_fresh_rollouts(watched, name):
     # no state writes past the completion's budget: T - t tokens from a state t tokens in
     assert mc["used"] <= sum(MC_SAMPLES * (MAX_NEW - len(x)) for x in mc["prefixes"])
 
-    # in the order of common.monte_carlo's baselines, each over every state, then its prompt states and inside ones
-    assert len(rec["baseline_error"]) == 2 * len(common.STATE_PARTS)
-    group, loo = rec["baseline_error"][:: len(common.STATE_PARTS)]
-    for name, i in (("group", 1), ("loo", 1 + len(common.STATE_PARTS))):
+    # in the order of measure.monte_carlo's baselines, each over every state, then its prompt states and inside ones
+    assert len(rec["baseline_error"]) == 2 * len(measure.STATE_PARTS)
+    group, loo = rec["baseline_error"][:: len(measure.STATE_PARTS)]
+    for name, i in (("group", 1), ("loo", 1 + len(measure.STATE_PARTS))):
         prompt_states = rec["baseline_error"][i]
         assert prompt_states["out"]["n"] == MC_PROMPTS and rec["rows"][0][f"mc/{name}_prompt/n"] == MC_PROMPTS
     for report, base in ((group, "mean"), (loo, "loo")):

@@ -29,9 +29,9 @@ from helpers import (
     tree_digest,
 )
 
-import checkpoint
 import common
-import runtime
+import read_runs
+from plumbing import checkpoint, errors, logs, rundir
 
 GRPO_TINY = dict(batch_size=2, group_size=4, micro_batch_size=4, num_minibatches=2, max_new_tokens=8)
 DPO_TINY = dict(batch_size=4, samples_per_prompt=4, micro_batch_size=4, offline_prompts=8, max_new_tokens=8)
@@ -129,16 +129,15 @@ def test_nonfinite_weights_are_never_saved(tmp_path, monkeypatch):
 
 
 def test_metrics_write_nan_as_nan_and_readers_parse_it(tmp_path):
-    import report
 
-    logger = runtime.MetricsLogger(tmp_path, True)
+    logger = logs.MetricsLogger(tmp_path, True)
     logger.log(1, {"reward": 0.5, "vf_loss": float("nan"), "kl": float("inf"), "none": None})
     logger.close()
     text = (tmp_path / "metrics.jsonl").read_text()
     assert "NaN" in text and "Infinity" in text
     (row,) = read_metrics(tmp_path)
     assert math.isnan(row["vf_loss"]) and row["kl"] == math.inf and row["none"] is None
-    assert math.isnan(report.read_metrics(tmp_path)[0]["vf_loss"])
+    assert math.isnan(read_runs.read_metrics(tmp_path)[0]["vf_loss"])
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -169,16 +168,16 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused_naming_the_holder(tmp_
         finally:
             proc.kill()
             proc.wait(timeout=60)
-    with checkpoint.RunLock(run_dir):  # released by the kernel: taken again at once
+    with rundir.RunLock(run_dir):  # released by the kernel: taken again at once
         pass
 
 
 def test_the_lock_is_released_when_the_run_ends(tmp_path):
-    lock = checkpoint.RunLock(tmp_path)
+    lock = rundir.RunLock(tmp_path)
     with lock:
-        with pytest.raises(runtime.UserError, match=f"pid {os.getpid()}"):
-            checkpoint.RunLock(tmp_path).acquire()
-    with checkpoint.RunLock(tmp_path):
+        with pytest.raises(errors.UserError, match=f"pid {os.getpid()}"):
+            rundir.RunLock(tmp_path).acquire()
+    with rundir.RunLock(tmp_path):
         pass
 
 
@@ -279,7 +278,7 @@ def test_a_train_file_that_is_not_utf8_is_one_error_line(tmp_path, gsm8k_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("at", ["common.load_gsm8k:1", "models.load_model:1"])  # the run folder exists by then
+@pytest.mark.parametrize("at", ["gsm8k.load_gsm8k:1", "plumbing.models.load_model:1"])  # the run folder exists by then
 def test_ctrl_c_during_start_up_leaves_no_traceback_and_no_run_folder(tmp_path, at):
     # the SIGINT comes at a known point of start-up (the process sends it itself: tests/signal_at), not when a
     # poll sees the run folder: on a busy machine the poll saw it only once the stop signal was installed, and

@@ -13,8 +13,7 @@ import pytest
 import torch
 from helpers import check_ok, cli, read_metrics, run_here, run_trainer
 
-import checkpoint
-import runtime
+from plumbing import runtime
 
 RUN = dict(task="toy", critic="small", total_steps=2, lr=1e-3)
 TIMES = ("time/", "tokens_per_s", "seconds")  # the clock, the only thing two identical runs may differ in
@@ -34,14 +33,14 @@ def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, 
     random.seed(7)
     torch.manual_seed(7)
     before = (torch.get_num_threads(), random.getstate(), torch.random.get_rng_state(), dict(os.environ),
-              os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), set(runtime._NOTICES))  # fmt: skip
+              os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))  # fmt: skip
     for name in ("a", "b"):  # twice: the second run must not see anything the first left
         check_ok(run_here("ppo.py", cli(tmp_path / name, **RUN), threads=1))
         after = (torch.get_num_threads(), random.getstate(), torch.random.get_rng_state(), dict(os.environ),
-                 os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), set(runtime._NOTICES))  # fmt: skip
+                 os.getcwd(), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))  # fmt: skip
         assert after[0] == before[0] and after[1] == before[1] and torch.equal(after[2], before[2])
         assert after[3:] == before[3:]
-        assert checkpoint._RUN_LOCK is None
+        assert vars(runtime.RUN) == vars(runtime.RunState()), "the run left state behind (notices, lock, record)"
         assert untimed(tmp_path / name) == untimed(fresh), f"run {name} in this process differs from a fresh one"
 
 

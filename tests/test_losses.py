@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import common
-import engine
-import runtime
+from plumbing import errors, forward
 
 
 def token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -102,7 +101,7 @@ def test_token_logprobs_from_hidden(N, H, V, chunk, temperature):
     targets[:2] = targets[0]  # a repeated target
     upstream = torch.randn(N)  # an arbitrary gradient arriving at the log-probs
 
-    logp, ent = engine.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk)
+    logp, ent = forward.token_logprobs_from_hidden(hidden, weight, targets, temperature, chunk)
     (logp * upstream).sum().backward()
     grad_h, grad_w = hidden.grad.clone(), weight.grad.clone()
 
@@ -130,7 +129,7 @@ def test_token_logprobs_from_hidden_grad_wrt_hidden_only():
     torch.manual_seed(1)
     hidden, weight = torch.randn(9, 4, requires_grad=True), torch.randn(11, 4)
     targets = torch.randint(0, 11, (9,))
-    engine.token_logprobs_from_hidden(hidden, weight, targets, 1.0, 4)[0].sum().backward()
+    forward.token_logprobs_from_hidden(hidden, weight, targets, 1.0, 4)[0].sum().backward()
     h2 = hidden.detach().clone().requires_grad_(True)
     torch.log_softmax(h2 @ weight.T, -1)[torch.arange(9), targets].sum().backward()
     assert torch.allclose(hidden.grad, h2.grad, atol=1e-5)
@@ -325,5 +324,5 @@ def test_lr_factor_endpoints(warmup):
 @pytest.mark.parametrize("step", [0, 5, 50])
 def test_lr_factor_unknown_schedule_fails_at_any_step(step):
     # LambdaLR calls the factor at step 0: a mistyped schedule must fail there, not after warmup
-    with pytest.raises(runtime.UserError, match="lr-schedule"):
+    with pytest.raises(errors.UserError, match="lr-schedule"):
         common.lr_schedule("cosin", 10, 100)(step)

@@ -8,9 +8,12 @@ import pytest
 import torch
 
 import common
+import intervals
+import measure
+from plumbing import generation, models, rollout
 
 # ------------------------------------------------------------------------------------------------------
-# The instrument before common.baseline_error (report.py's old reading): no trainer uses it now; it stays here
+# The instrument before measure.baseline_error (report.py's old reading): no trainer uses it now; it stays here
 # as the reference the tests below compare the new instrument with.
 # ------------------------------------------------------------------------------------------------------
 
@@ -160,7 +163,7 @@ def test_nmse_reads_the_planted_fraction_whatever_the_success_rate(p):
     n, k, f = 400_000, 8, 0.3
     truth, mc = _simulate(p, n, k, g)
     pred = truth + math.sqrt(f * p * (1 - p)) * torch.randn(n, generator=g, dtype=torch.float64)
-    m = common.baseline_error(pred, mc, k)
+    m = measure.baseline_error(pred, mc, k)
     assert m["nmse"] == pytest.approx(f, abs=0.02)
     assert m["nmse_centred"] == pytest.approx(f, abs=0.02)  # no offset planted
     assert m["bias"] == pytest.approx(0.0, abs=0.002)
@@ -172,7 +175,7 @@ def test_a_perfect_baseline_reads_zero_where_the_old_reading_did_not():
     g = torch.Generator().manual_seed(11)
     n, k = 200_000, 8
     truth, mc = _simulate(torch.rand(n, generator=g, dtype=torch.float64), n, k, g)
-    m = common.baseline_error(truth, mc, k)
+    m = measure.baseline_error(truth, mc, k)
     assert m["nmse"] == pytest.approx(0.0, abs=0.01)
     assert m["nmse_centred"] == pytest.approx(0.0, abs=0.01)
     assert m["explained_variance"] == pytest.approx(1.0, abs=0.01)
@@ -181,9 +184,9 @@ def test_a_perfect_baseline_reads_zero_where_the_old_reading_did_not():
     old, sums = [], []
     for i in range(0, 32 * 400, 32):
         old.append(_old_centred_nc(truth[i : i + 32], mc[i : i + 32], k))
-        sums.append(common.baseline_error(truth[i : i + 32], mc[i : i + 32], k))
+        sums.append(measure.baseline_error(truth[i : i + 32], mc[i : i + 32], k))
     assert statistics.fmean(old) > 0.02
-    assert common.pool_baseline_errors(sums)["nmse_centred"] == pytest.approx(0.0, abs=0.02)
+    assert measure.pool_baseline_errors(sums)["nmse_centred"] == pytest.approx(0.0, abs=0.02)
 
 
 @pytest.mark.parametrize("G", [4, 8])
@@ -194,7 +197,7 @@ def test_the_leave_one_out_mean_of_g_reads_one_over_g_minus_one(G):
     rewards = (torch.rand(n, G, generator=g, dtype=torch.float64) < truth[:, None]).double()  # [n, G]
     loo = (rewards.sum(-1) - rewards[:, 0]) / (G - 1)  # the baseline of completion 0: the other G - 1
     _, mc = _simulate(truth, n, k, g)
-    m = common.baseline_error(loo, mc, k)
+    m = measure.baseline_error(loo, mc, k)
     assert m["nmse"] == pytest.approx(1 / (G - 1), rel=0.05)
     assert m["nmse"] > 1.05 / G  # not 1/G: the noise of a group mean without the completion's own reward
 
@@ -208,15 +211,15 @@ def test_within_nmse_of_a_perfect_critic_is_zero_and_of_per_prompt_offsets_too()
     truth, mc = _simulate(torch.rand(n, generator=g, dtype=torch.float64), n, k, g)
     old = advantage_error(truth, mc, groups)["within_group_rmse"]
     assert old > 0.1
-    m = common.baseline_error(truth, mc, k, groups)
+    m = measure.baseline_error(truth, mc, k, groups)
     assert m["within_nmse"] == pytest.approx(0.0, abs=0.01)
     offsets = 0.2 * torch.randn(prompts, generator=g, dtype=torch.float64)
-    shifted = common.baseline_error(truth + offsets[groups], mc, k, groups)
+    shifted = measure.baseline_error(truth + offsets[groups], mc, k, groups)
     assert shifted["within_nmse"] == pytest.approx(0.0, abs=0.01)  # a per-prompt offset is not within-prompt error
     assert shifted["nmse_centred"] > 0.1
     # unequal token weights: the noise share is still removed exactly on average
     w = torch.rand(n, generator=g, dtype=torch.float64) * 3
-    assert common.baseline_error(truth, mc, k, groups, w)["within_nmse"] == pytest.approx(0.0, abs=0.015)
+    assert measure.baseline_error(truth, mc, k, groups, w)["within_nmse"] == pytest.approx(0.0, abs=0.015)
 
 
 def test_a_constant_offset_moves_nmse_not_nmse_centred():
@@ -224,7 +227,7 @@ def test_a_constant_offset_moves_nmse_not_nmse_centred():
     n, k, c = 100_000, 8, 0.15
     truth, mc = _simulate(torch.rand(n, generator=g, dtype=torch.float64), n, k, g)
     pred = truth + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
-    a, b = common.baseline_error(pred, mc, k), common.baseline_error(pred + c, mc, k)
+    a, b = measure.baseline_error(pred, mc, k), measure.baseline_error(pred + c, mc, k)
     signal = a["sum_signal_var"] / a["weight"]  # E[p(1-p)]
     assert b["nmse"] - a["nmse"] == pytest.approx(c * c / signal + 2 * c * a["bias"] / signal, rel=1e-9)
     assert b["nmse_centred"] == pytest.approx(a["nmse_centred"], abs=1e-12)
@@ -254,7 +257,7 @@ def test_baseline_error_against_a_loop_and_the_pooled_number_against_the_pooled_
     S = sum(wi * si for wi, si in zip(w_, s2))
     noise = sum(wi * vi for wi, vi in zip(w_, v))
     noise_c = noise - sum(wi * wi * vi for wi, vi in zip(w_, v)) / W
-    got = common.baseline_error(pred, mc, k, groups, w)
+    got = measure.baseline_error(pred, mc, k, groups, w)
     assert got["nmse"] == pytest.approx((sum(wi * ei * ei for wi, ei in zip(w_, e)) - noise) / S, rel=1e-9)
     centred = sum(wi * (ei - eb) ** 2 for wi, ei in zip(w_, e))
     assert got["nmse_centred"] == pytest.approx((centred - noise_c) / S, rel=1e-9)
@@ -268,16 +271,16 @@ def test_baseline_error_against_a_loop_and_the_pooled_number_against_the_pooled_
     assert got["within_nmse"] == pytest.approx(within / S, rel=1e-9)
     assert got["bias"] == pytest.approx(eb, rel=1e-9)
     # pooled over the three: the sums of the parts, not a mean of their ratios
-    pooled = common.pool_baseline_errors([common.baseline_error(p, m, k, gr, w) for p, m, w, gr in parts])
+    pooled = measure.pool_baseline_errors([measure.baseline_error(p, m, k, gr, w) for p, m, w, gr in parts])
     cat = [torch.cat(x) for x in zip(*parts)]
-    direct = common.baseline_error(cat[0], cat[1], k, None, cat[2])
+    direct = measure.baseline_error(cat[0], cat[1], k, None, cat[2])
     assert pooled["nmse"] == pytest.approx(direct["nmse"], rel=1e-9)
     assert pooled["bias"] == pytest.approx(direct["bias"], rel=1e-9)
     assert pooled["rmse"] == pytest.approx(direct["rmse"], rel=1e-9)
-    ratios = [common.baseline_error(p, m, k, gr, w)["nmse"] for p, m, w, gr in parts]
+    ratios = [measure.baseline_error(p, m, k, gr, w)["nmse"] for p, m, w, gr in parts]
     assert pooled["nmse"] != pytest.approx(statistics.fmean(ratios), rel=1e-3)
     # centred stays centred per measurement: the pooled centred sum is the sum of the parts' centred sums
-    centred_parts = [common.baseline_error(p, m, k, gr, w)["sum_centred_sq_nc"] for p, m, w, gr in parts]
+    centred_parts = [measure.baseline_error(p, m, k, gr, w)["sum_centred_sq_nc"] for p, m, w, gr in parts]
     assert pooled["nmse_centred"] == pytest.approx(sum(centred_parts) / direct["sum_signal_var"], rel=1e-9)
 
 
@@ -289,13 +292,13 @@ def test_a_shaped_return_uses_its_own_sample_variance():
     returns = (torch.rand(n, k, generator=g, dtype=torch.float64) < truth[:, None]).double()
     returns = returns - 0.3 * torch.rand(n, k, generator=g, dtype=torch.float64)  # a penalty with its own noise
     value = truth - 0.15
-    m = common.baseline_error(value, returns.mean(-1), k, mc_var=returns.var(-1))
+    m = measure.baseline_error(value, returns.mean(-1), k, mc_var=returns.var(-1))
     assert m["nmse"] == pytest.approx(0.0, abs=0.01)
 
 
 def test_mc_state_positions_are_token_weighted():
     for length, states in ((1, 2), (2, 2), (3, 2), (50, 2), (50, 7)):
-        pos = common.mc_state_positions(length, states, seed=length)
+        pos = measure.mc_state_positions(length, states, seed=length)
         assert pos[0] == (0, 1.0)
         ts = [t for t, _ in pos[1:]]
         assert len(ts) == min(states, length - 1) and len(set(ts)) == len(ts)
@@ -304,7 +307,7 @@ def test_mc_state_positions_are_token_weighted():
     # uniform over the completion's tokens: each inside position equally often
     counts = [0] * 10
     for s in range(20_000):
-        for t, _ in common.mc_state_positions(10, 2, seed=s)[1:]:
+        for t, _ in measure.mc_state_positions(10, 2, seed=s)[1:]:
             counts[t] += 1
     assert counts[0] == 0 and max(counts[1:]) / min(counts[1:]) < 1.1
 
@@ -314,9 +317,9 @@ def test_the_t_interval_covers_95_percent_with_three_seeds():
     trials, covered_t, covered_z = 20_000, 0, 0
     for _ in range(trials):
         xs = [rng.gauss(0.3, 0.05) for _ in range(3)]
-        _, lo, hi = common.mean_interval(xs)
+        _, lo, hi = intervals.mean_interval(xs)
         covered_t += lo <= 0.3 <= hi
-        _, lo, hi = common.mean_interval(xs, z=1.96)
+        _, lo, hi = intervals.mean_interval(xs, z=1.96)
         covered_z += lo <= 0.3 <= hi
     assert covered_t / trials == pytest.approx(0.95, abs=0.006)
     assert covered_z / trials < 0.85  # the old normal interval with n = 3
@@ -324,14 +327,14 @@ def test_the_t_interval_covers_95_percent_with_three_seeds():
 
 def test_t_quantile_against_the_table():
     for dof, t in ((1, 12.7062), (2, 4.3027), (3, 3.1824), (9, 2.2622), (29, 2.0452)):
-        assert common.t_quantile(0.975, dof) == pytest.approx(t, abs=2e-4)
+        assert intervals.t_quantile(0.975, dof) == pytest.approx(t, abs=2e-4)
 
 
 def test_paired_difference():
     a, b = [1, 0, 1, 1, 0, 1], [0, 0, 1, 0, 0, 1]
-    m, lo, hi = common.paired_difference(a, b)
+    m, lo, hi = intervals.paired_difference(a, b)
     d = [1, 0, 0, 1, 0, 0]
-    half = common.t_quantile(0.975, 5) * statistics.stdev(d) / math.sqrt(6)
+    half = intervals.t_quantile(0.975, 5) * statistics.stdev(d) / math.sqrt(6)
     assert (m, lo, hi) == pytest.approx((1 / 3, 1 / 3 - half, 1 / 3 + half))
 
 
@@ -395,7 +398,7 @@ def test_wilson_interval_hand_computed():
     # 7 of 20: p = 0.35, z^2 = 3.8416; centre = (0.35 + 3.8416 / 40) / (1 + 3.8416 / 20)
     centre = (0.35 + 0.09604) / 1.19208
     half = z * math.sqrt(0.35 * 0.65 / 20 + 3.8416 / 1600) / 1.19208
-    lo, hi = common.wilson_interval(7, 20)
+    lo, hi = intervals.wilson_interval(7, 20)
     assert (lo, hi) == pytest.approx((centre - half, centre + half), abs=1e-9)
     assert (lo, hi) == pytest.approx((0.1812, 0.5671), abs=1e-4)
     # the bounds are where |p_hat - p| = z sqrt(p (1 - p) / n)
@@ -406,33 +409,31 @@ def test_wilson_interval_hand_computed():
 @pytest.mark.parametrize("n", [1, 10, 1319])
 def test_wilson_interval_edges(n):
     z2 = 1.96**2
-    lo, hi = common.wilson_interval(0, n)
+    lo, hi = intervals.wilson_interval(0, n)
     assert lo == pytest.approx(0.0, abs=1e-12) and hi == pytest.approx(z2 / (n + z2))
-    lo, hi = common.wilson_interval(n, n)
+    lo, hi = intervals.wilson_interval(n, n)
     assert lo == pytest.approx(n / (n + z2)) and hi == pytest.approx(1.0, abs=1e-12)
     assert 0.0 <= lo <= hi <= 1.0
-    assert common.wilson_interval(0, 0) == (0.0, 1.0)
+    assert intervals.wilson_interval(0, 0) == (0.0, 1.0)
 
 
 def test_mean_interval():
-    m, lo, hi = common.mean_interval([1.0, 2.0, 3.0, 4.0])
+    m, lo, hi = intervals.mean_interval([1.0, 2.0, 3.0, 4.0])
     half = 3.1824 * math.sqrt(5 / 3) / 2  # sample sd sqrt(5/3), n = 4: t with 3 degrees of freedom
     assert (m, lo, hi) == pytest.approx((2.5, 2.5 - half, 2.5 + half), rel=1e-4)
     values = [0.31, 0.35, 0.29]
-    m, lo, hi = common.mean_interval(values, z=2.0)
+    m, lo, hi = intervals.mean_interval(values, z=2.0)
     assert m == pytest.approx(statistics.fmean(values))
     half = 2.0 * statistics.stdev(values) / math.sqrt(3)
     assert (lo, hi) == pytest.approx((m - half, m + half))
-    m, lo, hi = common.mean_interval([0.4])  # one seed: a mean, and no interval rather than a zero-width one
+    m, lo, hi = intervals.mean_interval([0.4])  # one seed: a mean, and no interval rather than a zero-width one
     assert m == 0.4 and math.isnan(lo) and math.isnan(hi)
-    assert all(math.isnan(x) for x in common.mean_interval([]))
+    assert all(math.isnan(x) for x in intervals.mean_interval([]))
 
 
 def test_mc_rollouts_from_state_t_write_and_count_at_most_t_minus_t_tokens(monkeypatch):
     """A state t tokens into a completion of at most T has T - t tokens left: its MC rollouts are cut there and
     only those count (they used to run up to T tokens from every state, all counted in mc_tokens)."""
-    import engine
-    import models
 
     tok = models.load_tokenizer("tiny")
     model = models.load_model("tiny", tok, 0)
@@ -440,16 +441,16 @@ def test_mc_rollouts_from_state_t_write_and_count_at_most_t_minus_t_tokens(monke
     prefixes = [[], [9] * (T - 1), [9] * (T - 2), [9] * 2]
     budgets = [T - len(x) for x in prefixes]
     calls = []
-    real = engine.generate
+    real = generation.generate
 
     def generate(m, prompts, **kw):
         ro = real(m, prompts, **kw)
         calls.append((kw["max_new_tokens"], [len(p) for p in prompts], ro.lengths.tolist()))
         return ro
 
-    monkeypatch.setattr(engine, "generate", generate)
-    u = engine.step_uniforms(0, 0, 1, len(prefixes) * k, T, torch.device("cpu"))
-    returns, used, generated = common.mc_values(
+    monkeypatch.setattr(generation, "generate", generate)
+    u = rollout.step_uniforms(0, 0, 1, len(prefixes) * k, T, torch.device("cpu"))
+    returns, used, generated = measure.mc_values(
         model, tok, [[5, 6, 7]] * len(prefixes), prefixes, ["1"] * len(prefixes),
         task="toy", k=k, max_new_tokens=T, uniforms=u, temperature=1.0, top_p=1.0,
     )  # fmt: skip

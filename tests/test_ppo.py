@@ -21,11 +21,10 @@ from helpers import (
     step_rows,
 )
 
-import checkpoint
 import common
-import models
-import runtime
+import measure
 from critics import CRITICS
+from plumbing import checkpoint, models, runtime
 
 # Trainable critic parameters at the tiny model's hidden size 64 (the table in critics.py).
 CRITIC_PARAMS = {"none": 0, "small": 4_225, "medium": 33_793, "large": 67_585, "full": 3_219_841}
@@ -205,7 +204,7 @@ def test_kl_in_the_reward_is_in_the_mc_target_and_approx_kl_samples_the_old_poli
     return too (it was the raw score: the KL read as critic error). And approx_kl estimates KL(old || new) from
     the rollout's samples of the old policy: kl_estimate(old_logp, logp, "k3"), not the reverse."""
     kl_calls, mc_calls = [], []
-    real_kl, real_mc = common.kl_estimate, common.mc_values
+    real_kl, real_mc = common.kl_estimate, measure.mc_values
 
     def kl_estimate(a, b, kind):
         kl_calls.append((torch.is_grad_enabled(), kind, a.requires_grad, b.requires_grad))
@@ -217,7 +216,7 @@ def test_kl_in_the_reward_is_in_the_mc_target_and_approx_kl_samples_the_old_poli
         return out
 
     monkeypatch.setattr(common, "kl_estimate", kl_estimate)
-    monkeypatch.setattr(common, "mc_values", mc_values)
+    monkeypatch.setattr(measure, "mc_values", mc_values)
     flags = dict(
         task="toy",
         critic="small",

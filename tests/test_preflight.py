@@ -1,5 +1,5 @@
 """The sweep's preflight (preflight.py, ./sweep.sh --preflight): its estimators and its predicted standard error
-against simulations of common.baseline_error, its three exit codes and its JSON on the tiny model, the sweep it
+against simulations of measure.baseline_error, its three exit codes and its JSON on the tiny model, the sweep it
 refuses (no run folder), a model that cannot be fetched, the informative-state count of the MC measurement, and
 the report's opening and warning."""
 
@@ -14,8 +14,11 @@ import pytest
 import torch
 from helpers import REPO, check_one_error_line, python, trainer_env
 
-import common
+import gsm8k
+import measure
 import preflight
+import report
+from plumbing import models
 
 FIELDS = ("pass_rate", "signal", "informative", "prompts", "samples_per_prompt", "samples", "informative_prompts")
 
@@ -58,7 +61,7 @@ def test_the_signal_is_unbiased_and_the_plug_in_is_not(G):
 
 
 def _simulated_nmse(p: torch.Tensor, k: int, n: int | None, weights: torch.Tensor | None, reps: int, seed: int):
-    """reps measurements of the states of true value p through common.baseline_error: K fresh returns each, the
+    """reps measurements of the states of true value p through measure.baseline_error: K fresh returns each, the
     baseline the truth (n None) or the mean of n other returns (GRPO's leave-one-out mean at the prompt)."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -67,7 +70,7 @@ def _simulated_nmse(p: torch.Tensor, k: int, n: int | None, weights: torch.Tenso
         pred = (
             p if n is None else (torch.rand(len(p), n, generator=g, dtype=torch.float64) < p[:, None]).double().mean(-1)
         )
-        out.append(common.baseline_error(pred, returns.mean(-1), k, weights=weights, mc_var=returns.var(-1))["nmse"])
+        out.append(measure.baseline_error(pred, returns.mean(-1), k, weights=weights, mc_var=returns.var(-1))["nmse"])
     return torch.tensor(out)
 
 
@@ -85,7 +88,7 @@ def test_the_predicted_standard_error_matches_a_simulation_of_the_measurement(k,
 def test_the_standard_error_counts_token_weighted_states_by_their_effective_number():
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(2, 60, (80,), generator=g).tolist()
-    w = torch.tensor([x for n in lengths for _, x in common.mc_state_positions(n, 2, 0)], dtype=torch.float64)
+    w = torch.tensor([x for n in lengths for _, x in measure.mc_state_positions(n, 2, 0)], dtype=torch.float64)
     p = torch.rand(len(w), generator=g, dtype=torch.float64)
     q = p * (1 - p)
     nmse = _simulated_nmse(p, 8, None, w, 1500, 2)
@@ -186,12 +189,11 @@ def test_the_trainers_print_their_settings_without_loading_anything(tmp_path):
 
 
 def test_monte_carlo_counts_the_informative_states(tiny_tokenizer):
-    import models
 
     model = models.load_model(models.TINY_MODEL, tiny_tokenizer, 0).eval()
-    prompts = [common.encode_prompt(tiny_tokenizer, q, "chat") for q in ("one", "two plus two", "three")]
+    prompts = [gsm8k.encode_prompt(tiny_tokenizer, q, "chat") for q in ("one", "two plus two", "three")]
     responses = [[5, 17, 32, 8], [40, 41], [16, 2, 3]]
-    out, _ = common.monte_carlo(
+    out, _ = measure.monte_carlo(
         model, tiny_tokenizer, prompts=prompts, responses=responses, golds=["1", "2", "3"], groups=[0, 1, 2],
         row_ids=[0, 1, 2], baselines={"b": torch.zeros(3, 8)}, states=2, k=4, max_new_tokens=6, seed=1, step=0,
         task="toy", temperature=1.0, top_p=1.0,
@@ -212,7 +214,6 @@ def _run(root: Path, name: str, informative: float, states: float) -> None:
 
 
 def test_the_report_opens_with_the_preflight_and_warns_of_few_informative_states(tmp_path):
-    import report
 
     _run(tmp_path, "grpo-group-s1", 10.0, 96.0)  # 20 of 192 pooled after the first: below 0.2 x 192
     _run(tmp_path, "grpo-group-s2", 40.0, 96.0)

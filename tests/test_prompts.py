@@ -4,43 +4,41 @@ import copy
 
 import pytest
 
-import common
-import engine
-import models
-import runtime
+import gsm8k
+from plumbing import errors, generation, models
 
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 
 
 def test_chat_prompt_is_the_chat_template(tiny_tokenizer):
-    ids = common.encode_prompt(tiny_tokenizer, "  " + QUESTION + "\n")
-    messages = [{"role": "user", "content": f"{QUESTION}\n\n{common.INSTRUCTION}"}]
+    ids = gsm8k.encode_prompt(tiny_tokenizer, "  " + QUESTION + "\n")
+    messages = [{"role": "user", "content": f"{QUESTION}\n\n{gsm8k.INSTRUCTION}"}]
     expected = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(expected, "keys"):
         expected = expected["input_ids"]
     assert ids == list(expected)
     assert all(isinstance(i, int) for i in ids)
     text = tiny_tokenizer.decode(ids)
-    assert QUESTION in text and common.INSTRUCTION in text
+    assert QUESTION in text and gsm8k.INSTRUCTION in text
     assert text.rstrip().endswith("<|im_start|>assistant")  # the model answers next
-    assert text.index(QUESTION) < text.index(common.INSTRUCTION)
+    assert text.index(QUESTION) < text.index(gsm8k.INSTRUCTION)
 
 
 def test_no_chat_template_needs_plain(tiny_tokenizer):
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = None
-    with pytest.raises(runtime.UserError, match="plain"):
-        common.encode_prompt(tok, QUESTION)
-    ids = common.encode_prompt(tok, QUESTION, prompt_format="plain")
+    with pytest.raises(errors.UserError, match="plain"):
+        gsm8k.encode_prompt(tok, QUESTION)
+    ids = gsm8k.encode_prompt(tok, QUESTION, prompt_format="plain")
     text = tok.decode(ids)
-    assert QUESTION in text and common.INSTRUCTION in text
+    assert QUESTION in text and gsm8k.INSTRUCTION in text
     assert "<|im_start|>" not in text
     assert text.rstrip().endswith("Answer:")
 
 
 def test_unknown_prompt_format(tiny_tokenizer):
-    with pytest.raises(runtime.UserError, match="prompt-format"):
-        common.encode_prompt(tiny_tokenizer, QUESTION, prompt_format="fewshot")
+    with pytest.raises(errors.UserError, match="prompt-format"):
+        gsm8k.encode_prompt(tiny_tokenizer, QUESTION, prompt_format="fewshot")
 
 
 def test_pad_token_is_not_eos(tiny_tokenizer):
@@ -55,24 +53,24 @@ def test_training_and_evaluation_feed_identical_token_ids(tmp_path, monkeypatch,
     from test_ppo import run_ppo_in_process
 
     fed: list[list[list[int]]] = []
-    real_generate = engine.generate
+    real_generate = generation.generate
 
     def watched(model, prompts, **kw):
         fed.append([list(p) for p in prompts])
         return real_generate(model, prompts, **kw)
 
-    monkeypatch.setattr(engine, "generate", watched)
+    monkeypatch.setattr(generation, "generate", watched)
     run_ppo_in_process(
         cli(tmp_path / "run", total_steps=1, batch_size=2, mc_every=0, eval_size=2, test_size=2), monkeypatch
     )
     training_prompt = fed[0][0]  # the first rollout of the first step
 
     tok = models.load_tokenizer("tiny")
-    train = common.load_gsm8k(str(gsm8k_dir))["train"]
+    train = gsm8k.load_gsm8k(str(gsm8k_dir))["train"]
     text = tok.decode(training_prompt)
     problem = next(p for p in train if p.question.strip() in text)
     fed.clear()
     model = models.load_model("tiny", tok)
-    common.evaluate(model, tok, [problem], task="gsm8k", prompt_format="chat", max_new_tokens=2, batch_size=1)
+    gsm8k.evaluate(model, tok, [problem], task="gsm8k", prompt_format="chat", max_new_tokens=2, batch_size=1)
     assert fed == [[training_prompt]]
-    assert "<|im_start|>assistant" in text and common.INSTRUCTION in text
+    assert "<|im_start|>assistant" in text and gsm8k.INSTRUCTION in text

@@ -19,11 +19,19 @@ import pytest
 import torch
 from helpers import REPO, check_ok, check_one_error_line, cli, command, run_here, trainer_env
 
-import checkpoint
-import engine
-import models
-import runtime
+import estimate
 from critics import HEAD_WIDTHS, build_critic
+from plumbing import (
+    checkpoint,
+    distributed,
+    errors,
+    forward,
+    generation,
+    models,
+    rollout,
+    static_engine,
+    static_kernels,
+)
 
 CPU = torch.device("cpu")
 
@@ -48,12 +56,12 @@ def make_prompts(lengths=(3, 41, 17, 120, 1, 64)) -> list[list[int]]:
     return [torch.randint(3, 5000, (n,), generator=g).tolist() for n in lengths]
 
 
-def responses(ro: engine.Rollout) -> list[list[int]]:
+def responses(ro: rollout.Rollout) -> list[list[int]]:
     return [row[:n] for row, n in zip(ro.response_ids.tolist(), ro.lengths.tolist())]
 
 
 def hf_greedy(lm, prompts, T: int, eos: int, pad: int) -> list[list[int]]:
-    ids, mask = engine.left_pad(prompts, pad)
+    ids, mask = rollout.left_pad(prompts, pad)
     out = lm.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=T, do_sample=False, eos_token_id=eos, pad_token_id=pad
     )[:, ids.shape[1] :]
@@ -61,7 +69,7 @@ def hf_greedy(lm, prompts, T: int, eos: int, pad: int) -> list[list[int]]:
 
 
 def frequent_token(lm, prompts, T: int, pad: int) -> int:
-    ro = engine.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, backend="hf")
+    ro = generation.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, backend="hf")
     return int(ro.response_ids[0, T // 3])
 
 
@@ -75,21 +83,21 @@ def test_the_engine_runs_qwen2_with_its_biases_greedy_as_transformers(tok, tied)
     lm = tiny_qwen2(tok, tied)
     assert lm.model.layers[0].self_attn.q_proj.bias.abs().min() > 0, "the biases must be non-zero"
     assert (lm.lm_head.weight.data_ptr() == lm.model.embed_tokens.weight.data_ptr()) == tied
-    assert engine.static_engine_unsupported(lm) is None
+    assert static_kernels.static_engine_unsupported(lm) is None
     prompts, T, pad = make_prompts(), 40, tok.pad_token_id
     eos = frequent_token(lm, prompts, T, pad)
-    ours = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="static")
-    assert engine.StaticEngine.of(lm).qkv_b is not None
+    ours = generation.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="static")
+    assert static_engine.StaticEngine.of(lm).qkv_b is not None
     assert responses(ours) == hf_greedy(lm, prompts, T, eos, pad)
     assert len(set(ours.lengths.tolist())) > 1, "EOS should end rows at different steps"
-    plain = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="hf")
+    plain = generation.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="hf")
     torch.testing.assert_close(ours.logprobs, plain.logprobs, atol=1e-4, rtol=0)
     # the biases matter: without them the engine (fresh, same weights) decodes other tokens
     with torch.no_grad():
         for layer in lm.model.layers:
             for p in (layer.self_attn.q_proj.bias, layer.self_attn.k_proj.bias, layer.self_attn.v_proj.bias):
                 p.zero_()
-    unbiased = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="static")
+    unbiased = generation.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="static")
     assert responses(unbiased) != responses(ours)
     assert responses(unbiased) == hf_greedy(lm, prompts, T, eos, pad)
 
@@ -99,18 +107,18 @@ def test_qwen2_sampled_tokens_equal_the_plain_path_and_logprobs_the_training_for
     lm = tiny_qwen2(tok, tied, seed=1)
     prompts, T, pad = make_prompts((3, 41, 17, 64, 1)), 32, tok.pad_token_id
     eos = frequent_token(lm, prompts, T, pad)
-    u = engine.step_uniforms(3, 7, 0, len(prompts), T, CPU)
+    u = rollout.step_uniforms(3, 7, 0, len(prompts), T, CPU)
     kw = dict(max_new_tokens=T, eos_id=eos, pad_id=pad, uniforms=u, temperature=0.8, return_hidden=True)
-    ours = engine.generate(lm, prompts, top_p=0.95, backend="static", **kw)
-    plain = engine.generate(lm, prompts, top_p=0.95, backend="hf", **kw)
+    ours = generation.generate(lm, prompts, top_p=0.95, backend="static", **kw)
+    plain = generation.generate(lm, prompts, top_p=0.95, backend="hf", **kw)
     assert torch.equal(ours.response_ids, plain.response_ids)
     assert torch.equal(ours.response_mask, plain.response_mask)
 
-    ours = engine.generate(lm, prompts, backend="static", **kw)  # the full distribution
+    ours = generation.generate(lm, prompts, backend="static", **kw)  # the full distribution
     P, m = ours.prompt_ids.shape[1], ours.response_mask
     with torch.no_grad():
-        logp, _, _ = engine.PolicyForward(lm)(ours.input_ids, ours.attention_mask, P, temperature=0.8)
-        pos = engine.position_ids_from_mask(ours.attention_mask)
+        logp, _, _ = forward.PolicyForward(lm)(ours.input_ids, ours.attention_mask, P, temperature=0.8)
+        pos = rollout.position_ids_from_mask(ours.attention_mask)
         hidden = lm.model(input_ids=ours.input_ids, attention_mask=ours.attention_mask, position_ids=pos)
         states = hidden.last_hidden_state[:, P - 1 : -1]
     assert m.sum() > 60
@@ -126,32 +134,32 @@ def test_cuda_qwen2_graph_logprobs_match_training_forward_in_bf16(tok, tied):
     dev = torch.device("cuda")
     lm = tiny_qwen2(tok, tied).to(dev)
     prompts, T, pad = make_prompts(), 64, tok.pad_token_id
-    u = engine.step_uniforms(0, 0, 0, len(prompts), T, dev)
+    u = rollout.step_uniforms(0, 0, 0, len(prompts), T, dev)
 
     def error(backend: str) -> float:
-        ro = engine.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, backend=backend)
+        ro = generation.generate(lm, prompts, max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, backend=backend)
         P, m = ro.prompt_ids.shape[1], ro.response_mask
-        with torch.no_grad(), runtime.autocast_ctx(dev):
-            logp, _, _ = engine.PolicyForward(lm)(ro.input_ids, ro.attention_mask, P)
+        with torch.no_grad(), distributed.autocast_ctx(dev):
+            logp, _, _ = forward.PolicyForward(lm)(ro.input_ids, ro.attention_mask, P)
         return (((ro.logprobs - logp).abs() * m).sum() / m.sum()).item()
 
     ours, plain = error("static"), error("hf")
     assert ours <= max(0.02, 1.5 * plain), f"mean |log-prob error|: engine {ours:.4f}, plain path {plain:.4f}"
     kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, temperature=0.9)
-    graph = engine.StaticEngine(lm, cuda_graph=True, compile=False).generate(prompts, **kw)
-    eager = engine.StaticEngine(lm, cuda_graph=False, compile=False).generate(prompts, **kw)
+    graph = static_engine.StaticEngine(lm, cuda_graph=True, compile=False).generate(prompts, **kw)
+    eager = static_engine.StaticEngine(lm, cuda_graph=False, compile=False).generate(prompts, **kw)
     assert torch.equal(graph.response_ids, eager.response_ids)
 
 
 def test_the_engine_sees_new_qwen2_biases(tok):
     lm = tiny_qwen2(tok, tied=True, seed=2)
     prompts, kw = make_prompts((5, 30, 12)), dict(max_new_tokens=24, eos_id=-1, pad_id=tok.pad_token_id)
-    before = engine.generate(lm, prompts, backend="static", **kw)
+    before = generation.generate(lm, prompts, backend="static", **kw)
     with torch.no_grad():
         lm.model.layers[1].self_attn.v_proj.bias.mul_(-3.0)  # an optimiser step on a bias, in place
-    after = engine.generate(lm, prompts, backend="static", **kw)
+    after = generation.generate(lm, prompts, backend="static", **kw)
     assert not torch.equal(before.response_ids, after.response_ids)
-    assert torch.equal(after.response_ids, engine.generate(lm, prompts, backend="hf", **kw).response_ids)
+    assert torch.equal(after.response_ids, generation.generate(lm, prompts, backend="hf", **kw).response_ids)
 
 
 def _variant(tok, family: str, **overrides) -> torch.nn.Module:
@@ -177,12 +185,15 @@ def test_what_the_engine_does_not_run_is_refused_with_its_reason(tok):
         "hidden_act": _variant(tok, "qwen2", hidden_act="gelu"),
     }
     for why, model in cases.items():
-        reason = engine.static_engine_unsupported(model)
+        reason = static_kernels.static_engine_unsupported(model)
         assert reason is not None and why in reason, (why, reason)
         with pytest.raises(ValueError, match="cannot run"):
-            engine.StaticEngine(model)
+            static_engine.StaticEngine(model)
     # the sliding window as Qwen2.5 ships it (use_sliding_window false): no layer slides, the engine runs it
-    assert engine.static_engine_unsupported(_variant(tok, "qwen2", sliding_window=32768, max_window_layers=21)) is None
+    assert (
+        static_kernels.static_engine_unsupported(_variant(tok, "qwen2", sliding_window=32768, max_window_layers=21))
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -195,10 +206,10 @@ def test_what_the_engine_does_not_run_is_refused_with_its_reason(tok):
 )
 def test_llama_shaped_like_smollm2_360m_and_1_7b_still_runs(tok, shape):
     lm = _variant(tok, "llama", rope_theta=100000.0, **shape)
-    assert engine.static_engine_unsupported(lm) is None
+    assert static_kernels.static_engine_unsupported(lm) is None
     prompts, T, pad = make_prompts((3, 41, 17)), 24, tok.pad_token_id
     eos = frequent_token(lm, prompts, T, pad)
-    ours = engine.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="static")
+    ours = generation.generate(lm, prompts, max_new_tokens=T, eos_id=eos, pad_id=pad, backend="static")
     assert responses(ours) == hf_greedy(lm, prompts, T, eos, pad)
 
 
@@ -208,10 +219,10 @@ def test_llama_shaped_like_smollm2_360m_and_1_7b_still_runs(tok, shape):
 
 
 def test_cdf_blocks_divide_qwens_vocabulary():
-    assert engine.cdf_block(151936) == 128 and 151936 % engine.cdf_block(151936) == 0
-    assert engine.cdf_block(49152) == 256
-    assert engine.cdf_block(1000) == 250 and engine.cdf_block(100) == 100
-    assert engine.cdf_block(1009) == engine.CDF_BLOCK  # prime: a padded, ragged last block
+    assert static_kernels.cdf_block(151936) == 128 and 151936 % static_kernels.cdf_block(151936) == 0
+    assert static_kernels.cdf_block(49152) == 256
+    assert static_kernels.cdf_block(1000) == 250 and static_kernels.cdf_block(100) == 100
+    assert static_kernels.cdf_block(1009) == static_kernels.CDF_BLOCK  # prime: a padded, ragged last block
 
 
 @pytest.mark.parametrize("V", [151936, 1009])
@@ -222,19 +233,19 @@ def test_fp32_sampler_on_a_vocabulary_256_does_not_divide(V):
     g = torch.Generator().manual_seed(V)
     logits = torch.randn(rows, V, generator=g) * 3
     logits[:4, -3:] += 40.0  # four rows whose mass sits in the ragged (or last) block
-    u = engine.step_uniforms(0, 0, 0, rows, 1, CPU)[:, 0]
+    u = rollout.step_uniforms(0, 0, 0, rows, 1, CPU)[:, 0]
     for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.9)):
-        ref, ref_lp = engine.sample_tokens(logits, u, temperature, top_p)
-        got, lp, _ = engine.sample_tokens_fp32(logits, u.float(), temperature, top_p)
+        ref, ref_lp = rollout.sample_tokens(logits, u, temperature, top_p)
+        got, lp, _ = static_kernels.sample_tokens_fp32(logits, u.float(), temperature, top_p)
         assert (got == ref).float().mean() >= 30 / 32, (V, temperature, top_p)
         torch.testing.assert_close(lp[got == ref], ref_lp[got == ref], atol=1e-5, rtol=0)
         assert (got[:4] >= V - 3).all() and (got < V).all()
     p = torch.zeros(2, V)
     p[0, V - 1], p[1, :] = 1.0, 1.0  # all mass on the very last token; a flat row
     for x in (0.0, 0.5, 1.0 - 1e-7):
-        idx = engine._inverse_cdf(p, torch.full((2,), x))
+        idx = static_kernels.inverse_cdf(p, torch.full((2,), x))
         assert idx[0] == V - 1 and 0 <= idx[1] < V
-    flat = engine._inverse_cdf(p[1:].expand(64, V), torch.linspace(0, 1 - 1e-6, 64))
+    flat = static_kernels.inverse_cdf(p[1:].expand(64, V), torch.linspace(0, 1 - 1e-6, 64))
     assert torch.equal(flat, torch.sort(flat).values) and flat[-1] >= V - V // 32  # monotone in u, reaches the end
 
 
@@ -261,7 +272,7 @@ def test_full_critic_copies_the_qwen2_trunk_with_its_biases(tok):
     torch.nn.init.normal_(critic.head.weight)
     ids = torch.randint(3, 5000, (2, 9))
     mask = torch.ones_like(ids)
-    _, _, values = engine.PolicyForward(lm, critic)(ids, mask, 4)
+    _, _, values = forward.PolicyForward(lm, critic)(ids, mask, 4)
     assert values.shape == (2, 5) and values.abs().sum() > 0
 
 
@@ -302,7 +313,7 @@ def test_a_qwen2_checkpoint_round_trips_tied_or_untied(tok, tied, tmp_path):
 def test_the_memory_check_reads_qwen2_and_refuses_a_batch_too_big(monkeypatch):
     monkeypatch.setattr(models, "device_memory_bytes", lambda device: 2**30)
     models.check_generation_memory(models.TINY_QWEN2, CPU, {"--batch-size": (64, 256)})
-    with pytest.raises(runtime.UserError, match="--batch-size"):
+    with pytest.raises(errors.UserError, match="--batch-size"):
         models.check_generation_memory(models.TINY_QWEN2, CPU, {"--batch-size": (4096, 256)})
 
 
@@ -325,7 +336,7 @@ def test_short_names_are_their_hub_ids():
     assert models.resolve_model("qwen2.5-1.5b") == "Qwen/Qwen2.5-1.5B-Instruct"
     assert models.resolve_model("smollm2-360m") == "HuggingFaceTB/SmolLM2-360M-Instruct"
     assert models.resolve_model("smollm2-1.7b") == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
-    with pytest.raises(runtime.UserError, match="qwen2.5-0.5b"):
+    with pytest.raises(errors.UserError, match="qwen2.5-0.5b"):
         models.resolve_model("qwen-tiny")
 
 
@@ -380,9 +391,7 @@ def test_the_sweep_leaves_the_model_to_the_scale(tmp_path):
 def test_the_estimates_shapes_count_the_parameters_transformers_builds(name):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    import report
-
-    s = report.MODEL_SHAPES[name]
+    s = estimate.MODEL_SHAPES[name]
     kind = Qwen2Config if s.get("qkv_bias") else LlamaConfig
     cfg = kind(
         vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
@@ -391,27 +400,23 @@ def test_the_estimates_shapes_count_the_parameters_transformers_builds(name):
     )  # fmt: skip
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    assert report.model_params(s)["total"] == sum(p.numel() for p in model.parameters())
+    assert estimate.model_params(s)["total"] == sum(p.numel() for p in model.parameters())
     known = {"smollm2": 134_515_008, "qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304}
-    assert report.model_params(s)["total"] == known.get(name, report.model_params(s)["total"])
+    assert estimate.model_params(s)["total"] == known.get(name, estimate.model_params(s)["total"])
 
 
 def test_the_estimates_study_settings_are_the_trainers():
     import importlib
 
-    import report
-
-    for method, settings in report.STUDY.items():
+    for method, settings in estimate.STUDY.items():
         args = importlib.import_module(method).Args()
         assert {k: getattr(args, k) for k in settings} == settings, method
 
 
 def test_the_activation_bytes_per_token_match_what_a_qwen2_layer_saves():
-    """31 H + 8 I bytes per token per layer (report.ACT_BYTES_*) against the tensors a Qwen2 layer saves for its
+    """31 H + 8 I bytes per token per layer (estimate.ACT_BYTES_*) against the tensors a Qwen2 layer saves for its
     backward under bf16 autocast, at a third shape (not one it was fitted to): within 10%."""
     from transformers import AutoModelForCausalLM, Qwen2Config
-
-    import report
 
     H, inter = 256, 1408
 
@@ -431,19 +436,18 @@ def test_the_activation_bytes_per_token_match_what_a_qwen2_layer_saves():
         return sum(seen.values())
 
     per_token_layer = ((saved(2, 128) - saved(1, 128)) - (saved(2, 64) - saved(1, 64))) / 64
-    predicted = report.ACT_BYTES_H * H + report.ACT_BYTES_I * inter
+    predicted = estimate.ACT_BYTES_H * H + estimate.ACT_BYTES_I * inter
     assert abs(per_token_layer - predicted) <= 0.1 * per_token_layer, (per_token_layer, predicted)
 
 
 def test_qwen25_05b_fits_one_h200_at_the_study_settings_and_15b_says_what_to_change():
-    import report
 
-    small = report.model_estimate_markdown("qwen2.5-0.5b", 200, 3)
+    small = estimate.model_estimate_markdown("qwen2.5-0.5b", 200, 3)
     rows = [line for line in small.splitlines() if line.startswith("| ppo-") or line.startswith("| grpo")]
     assert len(rows) == 6 and all("| yes |" in r for r in rows), small
     assert "18 runs x 3 seeds" in small
-    big = report.model_estimate_markdown("qwen2.5-1.5b", 200, 3)
+    big = estimate.model_estimate_markdown("qwen2.5-1.5b", 200, 3)
     full = next(line for line in big.splitlines() if line.startswith("| ppo-full"))
     assert "**no**: at --micro-batch-size" in full
-    with pytest.raises(runtime.UserError, match="qwen2.5-0.5b"):
-        report.model_estimate_markdown("gpt2", 200, 3)
+    with pytest.raises(errors.UserError, match="qwen2.5-0.5b"):
+        estimate.model_estimate_markdown("gpt2", 200, 3)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import check_ok, check_one_error_line, run_here
 
+import plots
 import report
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -43,7 +44,7 @@ RESULTS = {"method": "ppo", "variant": "small", "seed": 1, "steps": 4, "generate
 
 
 def test_run_series_reads_every_curve_and_its_interval():
-    series = report.run_series(ppo_rows())
+    series = plots.run_series(ppo_rows())
     assert series["reward"] == {"step": [1, 2, 3, 4], "y": pytest.approx([0.1, 0.2, 0.3, 0.4])}
     assert series["kl"]["y"] == pytest.approx([0.01, 0.02, 0.03, 0.04])
     assert series["nmse value"] == {"step": [1, 3], "y": pytest.approx([1.0, 1 / 3])}
@@ -55,11 +56,11 @@ def test_run_series_reads_every_curve_and_its_interval():
 def test_an_empty_panel_says_whether_its_curve_was_logged_or_undefined():
     nan = float("nan")
     nmse = ["mc/value/nmse", "mc/loo/nmse"]
-    assert report.empty_panel_note([{"step": 1, "reward": 0.0}], nmse) == "not logged by this run"
+    assert plots.empty_panel_note([{"step": 1, "reward": 0.0}], nmse) == "not logged by this run"
     # the packaged SmolLM2 on GSM8K: every Monte Carlo score 0, so the nmse is NaN at every measured step
-    note = report.empty_panel_note([{"step": 1, "mc/value/nmse": nan}, {"step": 2, "reward": 0.0}], nmse)
+    note = plots.empty_panel_note([{"step": 1, "mc/value/nmse": nan}, {"step": 2, "reward": 0.0}], nmse)
     assert "undefined at every step" in note and "Monte Carlo scores" in note
-    assert report.empty_panel_note([{"step": 1, "kl_ref": nan}], ["kl_ref"]) == "logged, never a finite number"
+    assert plots.empty_panel_note([{"step": 1, "kl_ref": nan}], ["kl_ref"]) == "logged, never a finite number"
 
 
 def test_a_run_folder_gets_its_curves_beside_its_metrics(tmp_path):
@@ -67,11 +68,11 @@ def test_a_run_folder_gets_its_curves_beside_its_metrics(tmp_path):
     before = sorted(p.name for p in run_dir.iterdir())
     proc = run_here("report.py", [str(run_dir)])
     check_ok(proc)
-    png = run_dir / report.RUN_PLOT
+    png = run_dir / plots.RUN_PLOT
     assert proc.stdout.strip() == f"curves: {png}"
     assert png.read_bytes()[:8] == PNG and png.stat().st_size > 20_000
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*before, report.RUN_PLOT])  # nothing else written
-    assert "test accuracy 25.0% [7.0, 59.0] on 8" in report.run_title(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*before, plots.RUN_PLOT])  # nothing else written
+    assert "test accuracy 25.0% [7.0, 59.0] on 8" in plots.run_title(run_dir)
 
 
 def test_several_run_folders_and_an_unfinished_one(tmp_path):
@@ -83,9 +84,9 @@ def test_several_run_folders_and_an_unfinished_one(tmp_path):
     )
     proc = run_here("report.py", [str(ppo), str(dpo)])
     check_ok(proc)
-    assert proc.stdout.splitlines() == [f"curves: {ppo / report.RUN_PLOT}", f"curves: {dpo / report.RUN_PLOT}"]
-    assert (dpo / report.RUN_PLOT).read_bytes()[:8] == PNG
-    assert report.run_title(dpo) == "dpo: not finished (no results.json)"
+    assert proc.stdout.splitlines() == [f"curves: {ppo / plots.RUN_PLOT}", f"curves: {dpo / plots.RUN_PLOT}"]
+    assert (dpo / plots.RUN_PLOT).read_bytes()[:8] == PNG
+    assert plots.run_title(dpo) == "dpo: not finished (no results.json)"
 
 
 @pytest.mark.parametrize(
@@ -109,7 +110,7 @@ def test_bad_input_is_one_error_line_and_nothing_written(tmp_path, args, message
     argv = [a.format(run=run_dir, sweep=sweep, tmp=tmp_path) for a in args]
     line = check_one_error_line(run_here("report.py", argv))
     assert message in line, line
-    assert not (run_dir / report.RUN_PLOT).exists() and list(sweep.iterdir()) == []
+    assert not (run_dir / plots.RUN_PLOT).exists() and list(sweep.iterdir()) == []
 
 
 def test_the_sweeps_invocations_parse_as_before(tmp_path, monkeypatch):

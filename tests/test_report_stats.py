@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import common
+import measure
+import plots
+import read_runs
 import report
 
 
 def _rows(name: str, measurements: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], k: int) -> list[dict]:
-    """metrics.jsonl rows, one per MC measurement (pred, p_hat, t of each state), as common.monte_carlo logs them."""
+    """metrics.jsonl rows, one per MC measurement (pred, p_hat, t of each state), as measure.monte_carlo logs them."""
     rows = []
     for step, (pred, mc, t) in enumerate(measurements):
-        parts = common.baseline_error_by_state(pred, mc, k, t, groups=torch.arange(len(pred)) % 10)
+        parts = measure.baseline_error_by_state(pred, mc, k, t, groups=torch.arange(len(pred)) % 10)
         row = {"step": step + 1, "mc/seconds": 3.0}
         for part, err in parts.items():
             row.update({f"mc/{name}{part}/{key}": v for key, v in err.items()})
@@ -96,14 +98,14 @@ def test_grpo_is_measured_at_the_prompt_state_and_its_line_is_drawn_there(tmp_pa
     prompt-state value (open star) beside its token-weighted one, and names the 1/(G-1) line for the prompt state."""
     runs = _sweep(tmp_path)
     grpo = [r for r in runs if r["method"] == "grpo"]
-    direct = common.pool_baseline_errors(
-        [report.measurement_sums(row, "loo_prompt") for r in grpo for row in r["rows"][1:3]]
+    direct = measure.pool_baseline_errors(
+        [read_runs.measurement_sums(row, "loo_prompt") for r in grpo for row in r["rows"][1:3]]
     )
     summary = {r["run"]: r for r in report.summarize(runs)}
     assert summary["grpo-group"]["nmse_prompt"] == pytest.approx(direct["nmse"], rel=1e-9)
     assert summary["grpo-group"]["nmse_prompt"] != pytest.approx(summary["grpo-group"]["nmse"], rel=1e-3)
     keep = _KeepFigures()
-    caption = report.plot_crossover(keep, runs, tmp_path / "c.png")
+    caption = plots.plot_crossover(keep, runs, tmp_path / "c.png")
     labels = keep.figs[0].axes[0].get_legend_handles_labels()[1]
     assert any("prompt states" in label for label in labels), labels
     assert any(label.startswith("1/(G-1)") and "prompt state only" in label for label in labels), labels
@@ -113,7 +115,7 @@ def test_grpo_is_measured_at_the_prompt_state_and_its_line_is_drawn_there(tmp_pa
 
 
 def test_the_nmse_interval_is_centred_on_the_pooled_value_and_group_mean_is_pooled(tmp_path):
-    """The printed nmse is pooled over seeds' sums; its interval is centred on it (common.ratio_interval over the
+    """The printed nmse is pooled over seeds' sums; its interval is centred on it (intervals.ratio_interval over the
     seeds), not on the mean of the seeds' ratios. nmse_group_mean pools the same way (it was a mean of ratios)."""
     runs = _sweep(tmp_path)
     summary = {r["run"]: r for r in report.summarize(runs)}
@@ -124,8 +126,8 @@ def test_the_nmse_interval_is_centred_on_the_pooled_value_and_group_mean_is_pool
         cells = [line for line in report.markdown_table([row]).splitlines() if line.startswith("| h2h")]
         assert f"{row['nmse']:.3f} [{row['nmse_low']:.3f}, {row['nmse_high']:.3f}]" in cells[0]
     grpo = [r for r in runs if r["method"] == "grpo"]
-    pooled = common.pool_baseline_errors(
-        [report.measurement_sums(row, "group") for r in grpo for row in r["rows"][1:3]]
+    pooled = measure.pool_baseline_errors(
+        [read_runs.measurement_sums(row, "group") for r in grpo for row in r["rows"][1:3]]
     )
     mean_of_ratios = sum(r["mc"]["nmse_group_mean"] for r in grpo) / 3
     assert summary["grpo-group"]["nmse_group_mean"] == pytest.approx(pooled["nmse"], rel=1e-9)
@@ -164,7 +166,7 @@ def test_a_negative_nmse_stays_on_the_crossover_plot(tmp_path):
     x = {r["run"]: r for r in report.summarize(runs)}["ppo-small"]["nmse"]
     assert x == pytest.approx(-1 / 8, rel=1e-6)
     keep = _KeepFigures()
-    report.plot_crossover(keep, runs, tmp_path / "c.png")
+    plots.plot_crossover(keep, runs, tmp_path / "c.png")
     left, right = keep.figs[0].axes[0].get_xlim()
     assert left < x < right
 
@@ -177,7 +179,7 @@ def test_the_errors_plot_is_on_the_runs_scale_and_says_where_it_is_cut(tmp_path)
     ppo["rows"][1]["mc/value/nmse"] = 2000.0
     ppo["rows"][1]["mc/value/nmse_centred"] = 1500.0
     keep = _KeepFigures()
-    report.plot_errors(keep, runs, tmp_path / "e.png")
+    plots.plot_errors(keep, runs, tmp_path / "e.png")
     ax = keep.figs[0].axes[0]
     assert ax.get_xlim()[1] < 5 and ax.get_ylim()[1] < 5
     assert "1 of" in ax.get_title() and "beyond" in ax.get_title()

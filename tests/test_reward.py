@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-import common
-import runtime
+import gsm8k
+from plumbing import errors
 
 # normalize_number: text -> canonical string, worked out by hand.
 NORMALIZE = [
@@ -50,7 +50,7 @@ NORMALIZE = [
 
 @pytest.mark.parametrize("text,expected", NORMALIZE)
 def test_normalize_number(text, expected):
-    assert common.normalize_number(text) == expected
+    assert gsm8k.normalize_number(text) == expected
 
 
 # gsm8k_reward: (completion, gold, reward).
@@ -120,7 +120,7 @@ REWARD = [
 
 @pytest.mark.parametrize("completion,gold,expected", REWARD)
 def test_gsm8k_reward(completion, gold, expected):
-    assert common.gsm8k_reward(completion, gold) == expected
+    assert gsm8k.gsm8k_reward(completion, gold) == expected
 
 
 @pytest.mark.parametrize(
@@ -135,14 +135,14 @@ def test_gsm8k_reward(completion, gold, expected):
     ],
 )
 def test_extract_final_answer(text, expected):
-    assert common.extract_final_answer(text) == expected
+    assert gsm8k.extract_final_answer(text) == expected
 
 
 def test_score_dispatch():
-    assert common.score("gsm8k", ["#### 5", "5"], [[1], [2]], ["5", "5"]) == [1.0, 0.0]
-    assert common.score("toy", ["", ""], [[1, 2, 32], [1, 2, 3]], ["", ""]) == [1.0, 0.0]
-    with pytest.raises(runtime.UserError):
-        common.score("chess", [""], [[1]], [""])
+    assert gsm8k.score("gsm8k", ["#### 5", "5"], [[1], [2]], ["5", "5"]) == [1.0, 0.0]
+    assert gsm8k.score("toy", ["", ""], [[1, 2, 32], [1, 2, 3]], ["", ""]) == [1.0, 0.0]
+    with pytest.raises(errors.UserError):
+        gsm8k.score("chess", [""], [[1]], [""])
 
 
 N = 100_000
@@ -164,7 +164,7 @@ ADVERSARIAL = [
 @pytest.mark.parametrize("text,expected", ADVERSARIAL, ids=[f"adv{i}" for i in range(len(ADVERSARIAL))])
 def test_adversarial_inputs_return_promptly(text, expected):
     t0 = time.perf_counter()
-    assert common.extract_final_answer(text) == expected
+    assert gsm8k.extract_final_answer(text) == expected
     # A hang guard against catastrophic backtracking or quadratic scans, not a speed target.
     assert time.perf_counter() - t0 < 2.0
 
@@ -187,12 +187,12 @@ def test_a_long_run_of_boxed_costs_a_constant_per_marker(unit):
     for n in (5_000, 20_000):
         text = unit * n
         CountingStr.ops = 0
-        common.extract_final_answer(CountingStr(text))
+        gsm8k.extract_final_answer(CountingStr(text))
         costs[n] = CountingStr.ops
         runs = []
         for _ in range(5):  # the fastest of five: a busy machine (the second pytest process) only adds time
             t0 = time.perf_counter()
-            common.extract_final_answer(text)
+            gsm8k.extract_final_answer(text)
             runs.append(time.perf_counter() - t0)
         times[n] = min(runs)
     markers = 20_000 * unit.count("\\boxed{")

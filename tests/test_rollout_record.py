@@ -1,14 +1,16 @@
 """A trainer's results.json and the first line of its metrics.jsonl name the rollout backend it actually ran
-and every fallback with its reason (engine.rollout_record), so a slow run is never read as a slow method."""
+and every fallback with its reason (generation.rollout_record), so a slow run is never read as a slow method."""
 
 from __future__ import annotations
 
 import json
 
+import report
+
 
 def test_results_and_first_metrics_row_name_the_rollout_backend(finished_run):
     results = json.loads((finished_run / "results.json").read_text())
-    assert results["rollout_backend"] == "hf"  # the CPU: transformers' generation (engine.generate's "auto")
+    assert results["rollout_backend"] == "hf"  # the CPU: transformers' generation (generation.generate's "auto")
     assert results["rollout_fallbacks"] == []
     rows = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["rollout_backend"] == "hf" and rows[0]["rollout_fallbacks"] == []
@@ -16,7 +18,6 @@ def test_results_and_first_metrics_row_name_the_rollout_backend(finished_run):
 
 
 def test_report_has_a_rollout_column_with_the_fallbacks(tmp_path):
-    import report
 
     def write(name: str, extra: dict) -> None:
         run_dir = tmp_path / "h2h" / name

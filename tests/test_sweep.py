@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 from helpers import REPO, check_ok, check_one_error_line, python, run_here, run_sweep, trainer_env, tree_digest
 
-import checkpoint
-import runtime
+import intervals
+import measure
+import report
+from plumbing import checkpoint, rundir
 
 CRITICS = ["none", "small", "medium", "large", "full"]
 EXPECTED = {
@@ -68,7 +70,7 @@ def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
     assert ("2 runs at once on the CPU" in proc.stdout) == (cores >= 2), "--smoke runs one run per core, two at most"
     for experiment, names in EXPECTED.items():
         for name in names:
-            res = runtime.read_results(out / experiment / f"{name}-s1" / "results.json")
+            res = rundir.read_results(out / experiment / f"{name}-s1" / "results.json")
             assert f"{res['method']}-{res.get('variant', res.get('critic'))}" == name and res["seed"] == 1
             if res["method"] == "grpo":  # the head-to-head's two GRPO arms: with and without the std division
                 assert res["args"]["scale_rewards"] == ("none" if name == "grpo-group-unscaled" else "group")
@@ -83,11 +85,11 @@ def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
 
 def test_the_head_to_head_is_matched_in_generated_tokens(smoke):
     out, proc, _ = smoke
-    ref = runtime.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
+    ref = rundir.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
     budget = ref["generated_tokens"]
     assert budget > 0 and f"{budget:,} generated tokens" in (out / "report" / "report.md").read_text()
     for name in EXPECTED["h2h"][1:]:
-        res = runtime.read_results(out / "h2h" / f"{name}-s1" / "results.json")
+        res = rundir.read_results(out / "h2h" / f"{name}-s1" / "results.json")
         assert res["args"]["token_budget"] == budget, name
         assert res["generated_tokens"] >= budget, f"{name}: the step cap, not the budget, ended it"
         if name != "dpo-gold-offline":  # offline DPO trains for the reference's steps; the others until the budget
@@ -124,7 +126,7 @@ def test_dry_run_shows_the_budget_once_the_reference_run_exists(smoke, tmp_path)
     out, _, _ = smoke
     new = tmp_path / "out"
     shutil.copytree(out / "h2h" / "grpo-group-s1", new / "h2h" / "grpo-group-s1")
-    budget = runtime.read_results(new / "h2h" / "grpo-group-s1" / "results.json")["generated_tokens"]
+    budget = rundir.read_results(new / "h2h" / "grpo-group-s1" / "results.json")["generated_tokens"]
     proc = sweep("--smoke", "--dry-run", "--out", new, "--experiments", "h2h")
     check_ok(proc)
     assert "# h2h/grpo-group-s1: finished" in proc.stdout
@@ -198,7 +200,7 @@ def test_damaged_interrupted_and_failed_runs_on_the_gpu_pool(smoke, tmp_path):
     assert len(named) == 1 and "damaged" in named[0], proc.stderr
     aside = list(damaged.parent.glob("results.json.damaged-*"))
     assert len(aside) == 1 and aside[0].read_text() == '{"method": "dpo", "test": {"accuracy": 0.'
-    assert runtime.read_results(damaged)["variant"] == "gold-online"
+    assert rundir.read_results(damaged)["variant"] == "gold-online"
     # the interrupted run resumed from its checkpoint
     assert re.search(r"labels/dpo-self-online-s1 on GPU \d \(resuming from its checkpoint\)", proc.stdout)
     assert (runs / "dpo-self-online-s1" / "results.json").is_file()
@@ -270,7 +272,7 @@ def test_slurm_submits_one_array_task_per_run(tmp_path):
         timeout=300,
     )
     check_ok(run)
-    res = runtime.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
+    res = rundir.read_results(out / "h2h" / "grpo-group-s1" / "results.json")
     assert res["method"] == "grpo" and res["args"]["lr"] == 2e-6
     assert json.loads(json.dumps(res["args"]))["run_dir"] == str(out / "h2h" / "grpo-group-s1")
 
@@ -358,8 +360,6 @@ def test_report_pools_sums_pairs_problems_and_names_what_old_runs_cannot_fill(tm
     import torch
 
     sys.path.insert(0, str(REPO))
-    import common
-    import report
 
     g = torch.Generator().manual_seed(0)
     k, n_test = 8, 200
@@ -371,7 +371,7 @@ def test_report_pools_sums_pairs_problems_and_names_what_old_runs_cannot_fill(tm
                 truth = torch.rand(40, generator=g, dtype=torch.float64)
                 mc = (torch.rand(40, k, generator=g, dtype=torch.float64) < truth[:, None]).double().mean(-1)
                 pred = truth + noise * torch.randn(40, generator=g, dtype=torch.float64)
-                err = common.baseline_error(pred, mc, k, torch.arange(40) // 4)
+                err = measure.baseline_error(pred, mc, k, torch.arange(40) // 4)
                 rows.append({"step": step + 1, **{f"mc/{name}/{key}": v for key, v in err.items()}})
                 if name == "loo":
                     rows[-1].update({f"mc/group/{key}": v for key, v in err.items()})
@@ -399,8 +399,8 @@ def test_report_pools_sums_pairs_problems_and_names_what_old_runs_cannot_fill(tm
     # the pooled number: one direct computation on every state of every seed's measurements after the first
     for method, run in (("ppo", "ppo-small"), ("grpo", "grpo-group")):
         states = [p for seed in (1, 2, 3) for p in measured[(method, seed)]]
-        parts = [common.baseline_error(pred, mc, k, torch.arange(40) // 4) for pred, mc in states]
-        direct = common.baseline_error(torch.cat([p for p, _ in states]), torch.cat([m for _, m in states]), k)
+        parts = [measure.baseline_error(pred, mc, k, torch.arange(40) // 4) for pred, mc in states]
+        direct = measure.baseline_error(torch.cat([p for p, _ in states]), torch.cat([m for _, m in states]), k)
         assert summary[run]["nmse"] == pytest.approx(direct["nmse"], rel=1e-9)
         assert summary[run]["rmse"] == pytest.approx(direct["rmse"], rel=1e-9)
         centred = sum(p["sum_centred_sq_nc"] for p in parts) / direct["sum_signal_var"]
@@ -410,7 +410,7 @@ def test_report_pools_sums_pairs_problems_and_names_what_old_runs_cannot_fill(tm
     # paired on the same problems, seed by seed: the t interval over the per-seed differences
     by = {(r["run"], r["seed"]): r["correct"] for r in runs if r["correct"] is not None}
     per_seed = [sum(x - y for x, y in zip(by[("ppo-small", s)], by[("grpo-group", s)])) / n_test for s in (1, 2, 3)]
-    d, lo, hi = common.mean_interval(per_seed)
+    d, lo, hi = intervals.mean_interval(per_seed)
     row = summary["ppo-small"]
     assert (row["vs_grpo"], row["vs_grpo_low"], row["vs_grpo_high"]) == pytest.approx((d, lo, hi))
     assert row["vs_grpo_seeds"] == 3 and row["vs_grpo_problems"] == n_test
@@ -427,7 +427,6 @@ def test_report_names_each_seeds_budget_once_from_the_reference_run(tmp_path):
     """The matched budget comes from grpo-group, the run the sweep reads it from; the unscaled GRPO arm of the same
     seed (method grpo too) is a budget-matched run, not a second budget."""
     sys.path.insert(0, str(REPO))
-    import report
 
     test = {"accuracy": 0.1, "n": 10, "ci95": [0.0, 0.4]}
     for name, variant, tokens in (("grpo-group-s1", "group", 1000), ("grpo-group-unscaled-s1", "group-unscaled", 990)):

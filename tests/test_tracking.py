@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import TINY, check_ok, check_one_error_line, cli, read_metrics, run_here
 
-import runtime
+from plumbing import logs
 
 DPO_BASE = {k: v for k, v in TINY.items() if k not in ("num-minibatches", "mc-every")}  # flags dpo.py has not
 RUNS = {  # one step of each trainer on the toy task (the TensorBoard test: two of PPO)
@@ -22,10 +22,10 @@ RUNS = {  # one step of each trainer on the toy task (the TensorBoard test: two 
 
 
 def scalar_rows(run_dir) -> dict[int, dict[str, float]]:
-    """metrics.jsonl's numbers by step (runtime.metric_scalars), later rows of a step merged in."""
+    """metrics.jsonl's numbers by step (logs.metric_scalars), later rows of a step merged in."""
     out: dict[int, dict[str, float]] = {}
     for row in read_metrics(run_dir):
-        out.setdefault(row["step"], {}).update(runtime.metric_scalars(row))
+        out.setdefault(row["step"], {}).update(logs.metric_scalars(row))
     return out
 
 

@@ -4,9 +4,9 @@ Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAME
 resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
 again); load_tokenizer, load_model and load_error; the tiny configs ("tiny", "tiny-qwen2"); the memory check a
 generation batch must pass before the model loads (check_generation_memory, from the model's config).
-Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (runtime.py), checkpoints
-(checkpoint.py), generation or the training forward (engine.py).
-Imports only runtime (for UserError); runtime never imports it.
+Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (distributed.py), checkpoints
+(checkpoint.py), generation or the training forward (generation.py, forward.py).
+Imports only errors.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 import torch.nn as nn
 
-from runtime import UserError
+from plumbing.errors import UserError
 
 T = TypeVar("T")
 
@@ -262,7 +262,7 @@ _MEMORY_CHECKED: tuple[str, torch.device, dict[str, tuple[int, int]]] | None = N
 
 
 def recheck_generation_memory(prompt_tokens: int) -> None:
-    """check_generation_memory again, as last called, with the data's longest prompt (common.check_prompt_lengths)."""
+    """check_generation_memory again, as last called, with the data's longest prompt (gsm8k.check_prompt_lengths)."""
     if _MEMORY_CHECKED is not None:
         check_generation_memory(*_MEMORY_CHECKED, prompt_tokens=max(prompt_tokens, PROMPT_TOKENS))
 

@@ -15,17 +15,14 @@ What a checkpoint promises:
   folder and leaves the previous checkpoint as it was.
 
 What it does not hold: metrics.jsonl, results.json and DPO's pairs.jsonl (beside it in the run folder); the
-data (only the position in it, and its fingerprint: common.data_record); the reference model (rebuilt from
+data (only the position in it, and its fingerprint: gsm8k.data_record); the reference model (rebuilt from
 --model); the code's version. The manifest checks integrity, not origin: it is not signed.
-Also here: the run folder: its checks before a run starts (prepare_run_dir: no symbolic links, no run
-overwritten), its lock (RunLock), and what a stopped run says next. The errors and the collectives are
-runtime.py's; this module imports runtime and nothing above it.
+Also here: the checks before a run starts (prepare_run_dir: no symbolic links, no run overwritten, the folder
+locked). The folder's names, its lock and link rules are rundir.py's; the collectives distributed.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -33,7 +30,6 @@ import os
 import pickle
 import random
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,29 +37,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import links
-import runtime
-from runtime import (
-    NonFiniteError,
-    RunFinished,
-    UserError,
-    WriteFailed,
-    _reshard,
-    all_finite,
+from plumbing import runtime
+from plumbing.distributed import (
     all_ok,
     all_reduce_sum,
     count_params,
     is_sharded,
     on_rank0,
+    reshard,
     unwrap,
     world_size,
 )
+from plumbing.errors import NonFiniteError, RunFinished, UserError, WriteFailed
+from plumbing.rundir import CHECKPOINT, find_checkpoint, refuse_links, set_aside
+from plumbing.runtime import all_finite
 
 # ======================================================================================================
 # Checkpoints: one folder per run, written atomically, safetensors, torch.load(weights_only=True)
 # ======================================================================================================
-
-CHECKPOINT = "checkpoint"
 
 
 def _sha256(path: Path) -> str:
@@ -226,7 +217,7 @@ def _gather_whole(policy: nn.Module, critic: nn.Module | None) -> dict[str, Any]
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    _reshard(policy)
+    reshard(policy)
     tied = {n for n, _ in policy.named_parameters(remove_duplicate=False)} - {n for n, _ in policy.named_parameters()}
     whole = get_model_state_dict(policy, options=options)
     out = {"policy": {k: v for k, v in whole.items() if k not in tied}, "critic": None}  # as save_pretrained
@@ -239,7 +230,7 @@ def _save_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimi
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    _reshard(policy)
+    reshard(policy)
     model_state, optim_state = get_state_dict(_training_modules(policy, critic), optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
 
@@ -250,7 +241,7 @@ def _load_shards(path: Path, policy: nn.Module, critic: nn.Module | None, optimi
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    _reshard(policy)
+    reshard(policy)
     modules = _training_modules(policy, critic)
     model_state, optim_state = get_state_dict(modules, optimizer)
     both = {"model": model_state, "optim": optim_state}
@@ -378,20 +369,6 @@ def _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler
             os.fsync(f.fileno())
 
 
-def find_checkpoint(run_dir: Path) -> Path | None:
-    """run_dir/checkpoint, or, when a save died between its two renames, the previous one it had set aside
-    (.checkpoint.old-PID; prepare_run_dir resumes from it only with --resume-from-backup)."""
-    path = run_dir / CHECKPOINT
-    if path.is_dir():
-        return path
-    aside = _set_aside(run_dir)
-    return aside[-1] if aside else None
-
-
-def _set_aside(run_dir: Path) -> list[Path]:
-    return sorted(run_dir.glob(f".{CHECKPOINT}.old-*"), key=lambda p: p.stat().st_mtime)
-
-
 _SHA256_HEX = frozenset("0123456789abcdef")
 
 
@@ -463,7 +440,7 @@ RESUMABLE_ARGS = {
 def _check_state(state: dict[str, Any], path: Path, saved: dict[str, Any]) -> None:
     """Every field a resume reads from state.json, checked: a consistent but wrong state is one line, not a
     traceback (or a run that goes on from a step that never was). The sampler's position against its data is
-    checked by common.PromptSampler.load_state_dict, which knows the data's size."""
+    checked by gsm8k.PromptSampler.load_state_dict, which knows the data's size."""
 
     def bad(why: str) -> UserError:
         return UserError(f"checkpoint {path} is damaged (state.json: {why}); it was left in place")
@@ -571,11 +548,11 @@ def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: boo
         )
 
     def lock_and_clean() -> None:
-        acquire_run_lock(run_dir)
+        runtime.lock_run_dir(run_dir)
         for tmp in run_dir.glob(f".{CHECKPOINT}.tmp-*"):  # a save killed before its rename
             shutil.rmtree(tmp, ignore_errors=True)
         if (run_dir / CHECKPOINT).is_dir():  # a save killed after its rename, before removing the old one
-            for aside in _set_aside(run_dir):
+            for aside in set_aside(run_dir):
                 shutil.rmtree(aside, ignore_errors=True)
 
     on_rank0(lock_and_clean)  # rank 0 locks and cleans; a refusal there stops every rank
@@ -594,137 +571,3 @@ def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: boo
         raise UserError(
             f"{run_dir} holds metrics.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
         )
-
-
-# ------------------------------------------------------------------------------------------------------
-# The run folder's lock: <run_dir>/.lock, one JSON line {"pid": N, "holder": "ppo.py"}, flock'ed
-# ------------------------------------------------------------------------------------------------------
-
-LOCK_FILE = ".lock"
-
-
-class RunLock:
-    """An OS-level lock on a run folder (fcntl.flock on run_dir/.lock), held for the life of the run.
-
-    The file holds one JSON line, {"pid": N, "holder": "ppo.py"}, for the refusal message of whoever comes
-    second (sweep.sh writes the same line for its own lock). The kernel drops the lock when the process ends,
-    however it ends; release() also removes the file, and the folder when the run created it and left nothing
-    else in it. Acquiring checks that the file locked is still the one at the path (a releasing run may have
-    just removed it), so that two runs never hold locks on two different files."""
-
-    def __init__(self, run_dir: Path, holder: str | None = None) -> None:
-        self.run_dir, self.path = Path(run_dir), Path(run_dir) / LOCK_FILE
-        self.holder = holder or Path(sys.argv[0]).name or "python"
-        self.fd: int | None = None
-        self.created = False
-
-    def acquire(self) -> RunLock:
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise UserError(f"--run-dir {self.run_dir} is not a folder (a file of that name exists)")
-        refuse_links(self.run_dir)
-        self.created = not self.run_dir.exists()
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create the run folder {self.run_dir}: {e.strerror or e}") from None
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a link: ELOOP
-            except OSError as e:
-                raise UserError(f"cannot write in the run folder {self.run_dir}: {e.strerror or e}") from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise UserError(f"{self.run_dir} is in use by {describe_lock_holder(self.path)}") from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)  # locked a file its holder removed on release: take the new one
-        os.ftruncate(fd, 0)
-        os.write(fd, (json.dumps({"pid": os.getpid(), "holder": self.holder}) + "\n").encode())
-        self.fd = fd
-        return self
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)  # while still held: whoever opened it before checks the inode
-        if self.created:
-            with contextlib.suppress(OSError):
-                self.run_dir.rmdir()  # only when empty: a run that wrote nothing leaves no folder
-        os.close(self.fd)
-        self.fd = None
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-def describe_lock_holder(path: Path) -> str:
-    """'ppo.py (pid 1234)', from the JSON line a lock file holds; 'another process' when unreadable."""
-    try:
-        info = json.loads(Path(path).read_text().splitlines()[0])
-        return f"{info['holder']} (pid {int(info['pid'])}), which holds {path}"
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return f"another process, which holds {path}"
-
-
-_RUN_LOCK: RunLock | None = None
-
-
-def acquire_run_lock(run_dir: Path) -> None:
-    """Lock run_dir for this process's run (released by run_main on every exit). One run per process: a lock
-    a previous run in this process left (a test calling main() directly) is released first."""
-    global _RUN_LOCK
-    release_run_lock()
-    _RUN_LOCK = RunLock(run_dir).acquire()
-
-
-def release_run_lock() -> None:
-    global _RUN_LOCK
-    if _RUN_LOCK is not None:
-        _RUN_LOCK.release()
-        _RUN_LOCK = None
-
-
-def refuse_links(folder: Path, what: str = "--run-dir") -> None:
-    """A run's folder, and everything in it, is never a symbolic link: a run folder received from someone else
-    must not make a run write (or read) a file elsewhere by following one. Refused in one line, before anything
-    is written. The folders above it may be links (runs/ on a scratch disk)."""
-    folder = Path(folder)
-    found = links.first_link(folder)
-    if found is None:
-        return
-    link, target = found
-    if link == folder:
-        raise UserError(
-            f"{what} {folder} is a symbolic link (to {target}); a run never follows one: "
-            "pass the folder it points to, or another; nothing was written"
-        )
-    raise UserError(
-        f"{folder} holds a symbolic link, {link.relative_to(folder)} -> {target}; a run never "
-        "follows one: remove it (or choose another folder); nothing was written"
-    )
-
-
-def _after_stop() -> str:
-    """What a stopped run's user does next: --resume from its checkpoint, or start again when it saved none."""
-    run_dir = _RUN_LOCK.run_dir if _RUN_LOCK is not None else None
-    if run_dir is None:
-        return "continue with --resume"
-    if (run_dir / CHECKPOINT).is_dir():
-        return f"nothing after the checkpoint in {run_dir / CHECKPOINT} was kept; continue with --resume"
-    left = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_FILE) if run_dir.is_dir() else []
-    if not left:
-        return "nothing was saved; run the same command again"
-    return f"no checkpoint was saved yet; remove {run_dir} and run the same command again"
-
-
-runtime._RUN_FOLDER.update(release=release_run_lock, after_stop=_after_stop)  # run_main's part of the run folder

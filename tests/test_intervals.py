@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
-import common
+import intervals
+import measure
+from plumbing import models
 
 
 def _grpo_on_a_value_process(d: float, n: int = 20000, G: int = 8, K: int = 8, seed: int = 0) -> dict:
@@ -25,7 +27,7 @@ def _grpo_on_a_value_process(d: float, n: int = 20000, G: int = 8, K: int = 8, s
     truth = torch.cat([p, v_inside])  # [2n] the prompt states, then one state inside each completion
     returns = (torch.rand(2 * n, K, generator=g, dtype=torch.float64) < truth[:, None]).double()  # [2n, K]
     t = torch.cat([torch.zeros(n), torch.full((n,), 5.0)]).long()
-    return common.baseline_error_by_state(
+    return measure.baseline_error_by_state(
         torch.cat([loo, loo]), returns.mean(-1), K, t, groups=torch.arange(2 * n) % n, mc_var=returns.var(-1)
     )
 
@@ -53,8 +55,8 @@ def test_a_shaped_return_leaves_the_signal_to_the_scores():
     scores = (torch.rand(n, K, generator=g, dtype=torch.float64) < p[:, None]).double()
     returns = scores - 0.05 * torch.rand(n, K, generator=g, dtype=torch.float64)  # the KL ahead, small
     pred = returns.mean(-1) + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
-    shaped = common.baseline_error(pred, returns.mean(-1), K, mc_var=returns.var(-1), signal_var=scores.var(-1))
-    plain = common.baseline_error(pred, returns.mean(-1), K, mc_var=returns.var(-1))
+    shaped = measure.baseline_error(pred, returns.mean(-1), K, mc_var=returns.var(-1), signal_var=scores.var(-1))
+    plain = measure.baseline_error(pred, returns.mean(-1), K, mc_var=returns.var(-1))
     assert plain["signal_fraction"] > 0.99  # the KL noise reads as signal
     assert shaped["signal_fraction"] == pytest.approx(float((scores.var(-1) > 0).double().mean()))
     assert shaped["signal_fraction"] < 0.6
@@ -69,7 +71,7 @@ def test_a_shaped_return_leaves_the_signal_to_the_scores():
 def _pooled_problems_interval(a: list[list[float]], b: list[list[float]]) -> tuple[float, float, float]:
     """The comparison report.py made before: per problem the mean over seeds, then a paired t over problems."""
     n, S = len(a[0]), len(a)
-    return common.paired_difference(
+    return intervals.paired_difference(
         [sum(a[s][i] for s in range(S)) / S for i in range(n)], [sum(b[s][i] for s in range(S)) / S for i in range(n)]
     )
 
@@ -85,7 +87,7 @@ def test_paired_seed_difference_covers_95_percent_with_a_run_level_effect():
     correct = (torch.rand(reps, 2, S, n, generator=g) < (q + shift).clamp(0, 1)).float().tolist()
     new = old = 0
     for a, b in correct:
-        _, lo, hi = common.paired_seed_difference(a, b)
+        _, lo, hi = intervals.paired_seed_difference(a, b)
         new += lo <= 0 <= hi
         _, lo, hi = _pooled_problems_interval(a, b)
         old += lo <= 0 <= hi
@@ -96,21 +98,21 @@ def test_paired_seed_difference_covers_95_percent_with_a_run_level_effect():
 def test_paired_seed_difference_is_the_mean_of_the_seeds_and_never_certain():
     a = [[1, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]]
     b = [[0, 0, 1, 1], [0, 0, 1, 0], [1, 1, 0, 1]]
-    m, lo, hi = common.paired_seed_difference(a, b)
+    m, lo, hi = intervals.paired_seed_difference(a, b)
     per_seed = [0.25, 0.25, 0.25]
     assert m == pytest.approx(sum(per_seed) / 3)
     assert math.isnan(lo) and math.isnan(hi), "seeds that agree exactly give no interval, not a zero-width one"
     b[2] = [1, 1, 1, 1]  # seed 3's difference is now 0
-    m, lo, hi = common.paired_seed_difference(a, b)
+    m, lo, hi = intervals.paired_seed_difference(a, b)
     d = [0.25, 0.25, 0.0]
     sd = math.sqrt(sum((x - m) ** 2 for x in d) / 2)
     assert m == pytest.approx(sum(d) / 3)
     assert (lo, hi) == pytest.approx((m - 4.303 * sd / math.sqrt(3), m + 4.303 * sd / math.sqrt(3)), rel=1e-3)
     # one seed: its problems' paired interval; identical runs: no interval
-    assert common.paired_seed_difference(a[:1], b[:1]) == pytest.approx(common.paired_difference(a[0], b[0]))
-    assert all(math.isnan(x) for x in common.paired_seed_difference([[1, 0]], [[1, 0]])[1:])
+    assert intervals.paired_seed_difference(a[:1], b[:1]) == pytest.approx(intervals.paired_difference(a[0], b[0]))
+    assert all(math.isnan(x) for x in intervals.paired_seed_difference([[1, 0]], [[1, 0]])[1:])
     with pytest.raises(ValueError):
-        common.paired_seed_difference([[1, 0]], [[1, 0, 1]])
+        intervals.paired_seed_difference([[1, 0]], [[1, 0, 1]])
 
 
 def _nmse_sums(reps: int, S: int, M: int, N: int, K: int, seed_sd: float, seed: int = 0):
@@ -131,7 +133,7 @@ def _nmse_sums(reps: int, S: int, M: int, N: int, K: int, seed_sd: float, seed: 
 
 
 def test_nmse_interval_over_seeds_covers_95_percent_with_a_run_level_effect():
-    """The pooled nmse's interval (common.ratio_interval over the seeds' sums) covers the true pooled nmse in ~95%
+    """The pooled nmse's interval (intervals.ratio_interval over the seeds' sums) covers the true pooled nmse in ~95%
     of simulations of 3 seeds x 10 measurements x 50 states at a small success rate, with the critic's error
     differing by seed; the same interval with the 30 measurements as units (a bootstrap or t over measurements
     that forgets the seeds) covers far less. torch.manual_seed fixes the Beta sampler."""
@@ -140,10 +142,10 @@ def test_nmse_interval_over_seeds_covers_95_percent_with_a_run_level_effect():
     num, den, truth = _nmse_sums(reps, S=3, M=10, N=50, K=8, seed_sd=0.25)
     seeds_ok = measurements_ok = 0
     for r in range(reps):
-        m, lo, hi = common.ratio_interval(num[r].sum(-1).tolist(), den[r].sum(-1).tolist())
+        m, lo, hi = intervals.ratio_interval(num[r].sum(-1).tolist(), den[r].sum(-1).tolist())
         assert m == pytest.approx(float(num[r].sum() / den[r].sum()))  # centred on the pooled value
         seeds_ok += lo <= truth <= hi
-        _, lo, hi = common.ratio_interval(num[r].flatten().tolist(), den[r].flatten().tolist())
+        _, lo, hi = intervals.ratio_interval(num[r].flatten().tolist(), den[r].flatten().tolist())
         measurements_ok += lo <= truth <= hi
     assert 0.92 <= seeds_ok / reps <= 0.98, seeds_ok / reps
     assert measurements_ok / reps < 0.85, measurements_ok / reps
@@ -151,29 +153,28 @@ def test_nmse_interval_over_seeds_covers_95_percent_with_a_run_level_effect():
 
 def test_ratio_interval_is_centred_on_the_pooled_ratio_and_never_certain():
     nums, dens = [1.0, 3.0, 2.0], [10.0, 10.0, 40.0]
-    r, lo, hi = common.ratio_interval(nums, dens)
+    r, lo, hi = intervals.ratio_interval(nums, dens)
     assert r == pytest.approx(6 / 60)
     assert (lo + hi) / 2 == pytest.approx(r)
     per_seed_mean = sum(n / d for n, d in zip(nums, dens)) / 3  # 0.15: what the old interval was centred on
     assert abs(per_seed_mean - r) > 0.04
-    assert all(math.isnan(x) for x in common.ratio_interval([1.0, 2.0], [10.0, 20.0])[1:]), "agreeing seeds"
-    assert all(math.isnan(x) for x in common.ratio_interval([1.0], [10.0])[1:]), "one seed"
-    assert all(math.isnan(x) for x in common.ratio_interval([1.0, 1.0], [0.0, 0.0]))
+    assert all(math.isnan(x) for x in intervals.ratio_interval([1.0, 2.0], [10.0, 20.0])[1:]), "agreeing seeds"
+    assert all(math.isnan(x) for x in intervals.ratio_interval([1.0], [10.0])[1:]), "one seed"
+    assert all(math.isnan(x) for x in intervals.ratio_interval([1.0, 1.0], [0.0, 0.0]))
 
 
 # ------------------------------------------------------------------------------------------------------
-# common.monte_carlo: the parts it logs, and the signal under a shaped return
+# measure.monte_carlo: the parts it logs, and the signal under a shaped return
 # ------------------------------------------------------------------------------------------------------
 
 
 def _measure(penalty=None) -> dict:
-    import models
 
     tok = models.load_tokenizer("tiny")
     model = models.load_model("tiny", tok, 0)
     T, R = 6, 4
     responses = [[9, 10, 11, 12, 13, 14][: 3 + i] for i in range(R)]
-    out, _ = common.monte_carlo(
+    out, _ = measure.monte_carlo(
         model, tok, prompts=[[5, 6, 7]] * R, responses=responses, golds=["1"] * R, groups=list(range(R)),
         row_ids=list(range(R)), baselines={"value": torch.full((R, T), 0.5)}, states=2, k=4, max_new_tokens=T,
         seed=0, step=0, task="toy", temperature=1.0, top_p=1.0, penalty=penalty,
@@ -196,6 +197,6 @@ def test_monte_carlo_logs_the_prompt_states_apart_and_takes_the_signal_from_the_
         )
     assert plain["value/sum_signal_var"] > 0
     for key in ("sum_signal_var", "signal_fraction", "signal_groups"):
-        for part in common.STATE_PARTS:
+        for part in measure.STATE_PARTS:
             assert shaped[f"value{part}/{key}"] == pytest.approx(plain[f"value{part}/{key}"]), (part, key)
     assert shaped["value/sum_err"] != pytest.approx(plain["value/sum_err"])  # the target is the shaped return

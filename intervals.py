@@ -1,0 +1,130 @@
+"""Intervals: a proportion's (Wilson), a mean's over seeds (t), paired differences, and a ratio of sums over seeds.
+
+Small pure functions on plain numbers; no torch, no project import. Evaluation gives each accuracy its Wilson
+interval (gsm8k.evaluate); the report compares methods seed by seed (paired_seed_difference) and pools the
+baseline error's sums before its ratio (ratio_interval). Their coverage is checked by simulation in
+tests/test_intervals.py; docs/measurement.md says what each assumes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+# ======================================================================================================
+# Intervals: Wilson for a proportion, t over seeds, paired differences, ratios
+# ======================================================================================================
+
+
+def ratio(total: float, n: float) -> float | None:
+    """total / n, or None over zero items: a statistic of nothing is absent (null in JSON), never 0.0."""
+    return total / n if n else None
+
+
+def wilson_interval(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval for k successes in n trials."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+@functools.lru_cache(maxsize=256)
+def t_quantile(q: float, dof: int) -> float:
+    """The q quantile of Student's t with dof degrees of freedom (q in (0.5, 1)): bisection on its CDF, the
+    density integrated by Simpson's rule. t_quantile(0.975, 2) = 4.303, (0.975, 29) = 2.045."""
+    if dof < 1 or not 0.5 < q < 1:
+        raise ValueError(f"t_quantile needs dof >= 1 and 0.5 < q < 1, got {q}, {dof}")
+    log_c = math.lgamma((dof + 1) / 2) - math.lgamma(dof / 2) - 0.5 * math.log(dof * math.pi)
+
+    def cdf(x: float, n: int = 2000) -> float:  # P(T <= x) for x >= 0
+        h = x / n
+        f = [math.exp(log_c - (dof + 1) / 2 * math.log1p((i * h) ** 2 / dof)) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < q:
+        lo, hi = hi, 2 * hi
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_interval(values: Sequence[float], z: float | None = None) -> tuple[float, float, float]:
+    """Mean and a 95% interval of a list of numbers (across seeds, say): mean +- t sd / sqrt(n), with t the 0.975
+    quantile of Student's t with n - 1 degrees of freedom (4.30 for 3 seeds; a normal 1.96 there covers ~81%).
+    z overrides the quantile.
+
+    One number has no spread to estimate: its interval is (nan, nan), not a zero-width interval that would
+    look certain; so are numbers that all agree (three seeds at 0% accuracy): they say the spread is small, not
+    that it is zero, and the interval needs more of them. No numbers: all three are nan.
+    """
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    m = sum(values) / n
+    if n < 2:
+        return m, math.nan, math.nan
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    if sd == 0:
+        return m, math.nan, math.nan
+    q = t_quantile(0.975, n - 1) if z is None else z
+    return m, m - q * sd / math.sqrt(n), m + q * sd / math.sqrt(n)
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float, float]:
+    """Mean of a - b over paired items (the same test problems) and its 95% t interval.  [n], [n] -> 3 floats"""
+    if len(a) != len(b):
+        raise ValueError(f"paired_difference needs equal lengths, got {len(a)} and {len(b)}")
+    return mean_interval([float(x) - float(y) for x, y in zip(a, b)])
+
+
+def paired_seed_difference(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> tuple[float, float, float]:
+    """The difference in accuracy of two methods on the same test problems over seeds, and its 95% interval.
+    a[s][i], b[s][i]: seed s's 0/1 result on test problem i (the same n problems for every seed) -> mean, lo, hi
+
+    Seeds differ by more than problem-level noise (a run-level effect: one seed's policy is simply better), so the
+    interval is the t interval over the per-seed paired differences d_s = mean_i (a[s][i] - b[s][i]), with S - 1
+    degrees of freedom (t = 4.30 for 3 seeds: wide, and honest). Pooling the problems of all seeds into one paired
+    t interval ignores that variance (in simulation its 95% interval covered 44-73%).
+    One seed: its problems' paired t interval (intervals.paired_difference), which knows nothing of other seeds.
+    Seeds (or, with one seed, problems) that all agree give (mean, nan, nan): no interval rather than a certain one.
+    """
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_seed_difference needs the same seeds, at least one, got {len(a)} and {len(b)}")
+    n = {len(x) for x in (*a, *b)}
+    if len(n) != 1 or n == {0}:
+        raise ValueError(f"paired_seed_difference needs the same test problems in every seed, got sizes {sorted(n)}")
+    if len(a) == 1:
+        return paired_difference(a[0], b[0])
+    return mean_interval([sum(float(x) - float(y) for x, y in zip(xs, ys)) / len(xs) for xs, ys in zip(a, b)])
+
+
+def ratio_interval(nums: Sequence[float], dens: Sequence[float]) -> tuple[float, float, float]:
+    """A pooled ratio sum(nums) / sum(dens) and its 95% interval, with clusters (seeds) as the units.  [S], [S] -> 3
+
+    The linearised (delta-method) interval of a ratio estimator: R = sum N / sum D, residuals z_s = (N_s - R D_s)
+    / mean(D), R +- t(0.975, S - 1) sd(z) / sqrt(S). Centred on the pooled value that the report prints (a t
+    interval over per-seed ratios is centred on their mean, not on it) and carrying the clusters' variance:
+    with one cluster per seed, the seed-to-seed variance (tests/test_intervals.py: coverage near 95% with a run-level
+    effect and skewed per-seed ratios, where the t interval over per-seed ratios under-covers). Fewer than two
+    clusters, a non-positive denominator or residuals that all agree: (R, nan, nan).
+    """
+    if len(nums) != len(dens):
+        raise ValueError(f"ratio_interval needs as many numerators as denominators, got {len(nums)}, {len(dens)}")
+    S, num, den = len(nums), float(sum(nums)), float(sum(dens))
+    if S == 0 or den <= 0:
+        return math.nan, math.nan, math.nan
+    r = num / den
+    if S < 2:
+        return r, math.nan, math.nan
+    z = [(float(n) - r * float(d)) / (den / S) for n, d in zip(nums, dens)]  # [S], mean 0
+    sd = math.sqrt(sum(x * x for x in z) / (S - 1))
+    if sd == 0:
+        return r, math.nan, math.nan
+    half = t_quantile(0.975, S - 1) * sd / math.sqrt(S)
+    return r, r - half, r + half
