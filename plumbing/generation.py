@@ -51,12 +51,6 @@ def rollout_record() -> dict[str, Any]:
     }
 
 
-def reset_rollout_record() -> None:
-    """Forget the record (the benchmark measures each variant apart; a run begins with an empty one)."""
-    runtime.RUN.backends.clear()
-    runtime.RUN.fallbacks.clear()
-
-
 def _record_backend(name: str) -> None:
     if name not in runtime.RUN.backends:
         runtime.RUN.backends.append(name)

