@@ -16,7 +16,7 @@ budget and the numbers it was sized from, the accuracies before and after with t
 point leaves what finished: on SIGTERM (run_gpu.sh's timeout; SIGKILL follows 10 s later) the running trainer is
 killed at once, without the checkpoint a trainer saves on SIGTERM, and summary.json says what was killed and what
 never started; after a SIGKILL it still says which step was running. No checkpoint is kept (--save-every 0, and the
-final one removed once its run ends): at 0.5B parameters the weights and AdamW's moments are ~6 GB.
+final one removed once its run ends): the GGUF's 630M parameters in fp32 with AdamW's two moments are ~7.5 GB.
 
 It drives the scripts through their command lines only (python preflight.py, grpo.py, ppo.py, report.py), never
 importing them: the project's modules move, their command lines stay. Standard library only.
@@ -277,7 +277,7 @@ class Part:
         return {"rc": rc, "wall_s": time.monotonic() - t, "tail": list(tail), "row": row, "row_at_s": row_at}
 
     def drop_checkpoints(self, run_dir: Path) -> None:
-        """The trainer's checkpoint (and a save's temporary or set-aside folder): ~6 GB at 0.5B, never kept. Called
+        """The trainer's checkpoint (and a save's temporary or set-aside folder): ~7.5 GB here, never kept. Called
         once its process has ended; the lock a killed trainer left goes too."""
         if not run_dir.is_dir():
             return
@@ -400,7 +400,7 @@ class Part:
 
     def on_signal(self, signum: int, frame: Any) -> None:
         """SIGTERM (the part's limit) or SIGINT: kill the running step's process now (a trainer would finish its
-        step and save ~6 GB first), drop its checkpoint, and say on the record what did not finish. The handler
+        step and save ~7.5 GB first), drop its checkpoint, and say on the record what did not finish. The handler
         interrupts the main thread anywhere, inside Popen.poll's lock or a print among them: so no Popen.wait and no
         sys.stdout here (both would wait on a lock the interrupted frame holds), and it never returns."""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal while this one is handled
