@@ -1,6 +1,7 @@
 """bench/: run_gpu.sh's parts rehearsed on the CPU at toy sizes (each its own process and limit, one killed by
 it with the earlier parts' numbers kept), a failed trainer's step times kept, the toy run's reward rise, and the
-TRL settings and caveats printed beside the ratio.
+TRL settings and caveats printed beside the ratio. Part q (PARTS=q, bench/qwen_part.py) is rehearsed on its own with
+tiny-qwen2: whole, and killed by a 10 s limit; beside them its sizing arithmetic, its skip without QWEN_GGUF.
 
 The trainers' part (d) is killed by its limit in the rehearsal (3 s): a full one takes 29 s on 2 CPU cores with
 new interpreters, 10 s through the tests' fork server (2026-12-02; `T_D=300 bash bench/run_gpu.sh --tiny` runs
@@ -10,6 +11,7 @@ it). TRL is not assumed installed: its part records a skip.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -21,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import qwen_part  # noqa: E402
 import throughput  # noqa: E402
 import trl_grpo  # noqa: E402
 from helpers import python, trainer_env  # noqa: E402
@@ -81,6 +84,189 @@ def test_run_gpu_flow_tiny_cpu_keeps_the_parts_before_one_killed_by_its_limit(tm
     assert r["logprob_abs_error_max"] == sec["check"]["logprob_abs_error_engine"]["max"]
     assert r["decode_step_ms_floor"] == floor["expected_ms"]
     assert r["grpo_step_s"] == sec.get("grpo", {}).get("grpo", {}).get("step_s")  # None unless grpo.py finished
+
+
+def _part_q(tmp_path: Path, limit_s: int, q_args: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+    """`PARTS=q bash bench/run_gpu.sh --tiny` under T_Q=limit_s (tiny-qwen2 whatever QWEN_GGUF says)."""
+    out = tmp_path / "out"
+    env = {**_env(), "OUT": str(out), "PARTS": "q", "T_Q": str(limit_s), "Q_ARGS": q_args}
+    env.pop("Q_MODEL", None)
+    proc = subprocess.run(
+        ["bash", "bench/run_gpu.sh", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env
+    )
+    return proc, out
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "time/step" in r]
+
+
+@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
+@pytest.mark.slow
+def test_run_gpu_part_q_tiny_cpu_writes_every_step_at_one_token_budget(tmp_path):
+    """Part q on the CPU with tiny-qwen2 at toy sizes: the preflight's refusal on the record and the part going on,
+    the accuracy before training, GRPO and PPO-small at one token budget with the Monte Carlo measurement on, each
+    with its curves and its accuracy after, no checkpoint left."""
+    proc, out = _part_q(tmp_path, 300)
+    log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, log
+    parts = {n: int(rc) for n, rc, _ in map(str.split, (out / "parts.tsv").read_text().splitlines())}
+    assert parts == {"q_qwen": 0}, parts
+    q = out / "q"
+    for name in ("preflight.json", "summary.json", "eval-before/results.json", "eval-before/metrics.jsonl"):
+        assert (q / name).is_file(), name
+    for run in ("grpo", "ppo-small"):
+        for name in ("metrics.jsonl", "results.json", "curves.png"):
+            assert (q / run / name).is_file(), f"{run}/{name}"
+    assert not [p for p in out.rglob("*checkpoint*")], "a checkpoint was left under OUT"
+    summary = json.loads((q / "summary.json").read_text())
+    assert summary["model"] == "tiny-qwen2" and summary["finished"] is True and summary["killed"] is None
+    assert summary["unfinished"] == [] and all(s["status"] == "done" for s in summary["steps"].values())
+
+    # a. the tiny random model cannot answer GSM8K: refused (exit 3), on the record
+    pf = json.loads((q / "preflight.json").read_text())
+    assert pf["passed"] is False and pf["settings"]["model"] == "tiny-qwen2" and pf["settings"]["task"] == "gsm8k"
+    assert pf["prompts"] == 4 and pf["samples_per_prompt"] == 4
+    assert summary["steps"]["preflight"]["rc"] == 3 and summary["steps"]["preflight"]["verdict"] == "refused"
+    assert "refused" in summary["steps"]["preflight"]["line"]
+
+    # b. before training: no step, nothing generated but the evaluation
+    before = json.loads((q / "eval-before/results.json").read_text())
+    assert before["steps"] == 0 and before["generated_tokens"] == 0 and before["test"]["n"] == 8
+
+    # c. one token budget, both runs stopped by it (at it or within their last step past it), MC measured
+    budget = summary["budget"]["token_budget"]
+    assert budget > 0
+    for run, method in (("grpo", "grpo"), ("ppo-small", "ppo")):
+        res = json.loads((q / run / "results.json").read_text())
+        assert res["method"] == method and res["args"]["token_budget"] == budget, (run, res["args"])
+        assert res["args"]["mc_every"] > 0 and res["mc_tokens"] > 0 and res["args"]["scale"] == "study"
+        made = [r["generated_tokens"] for r in _steps(q / run)]
+        assert made[-1] == res["generated_tokens"] >= budget, (run, made, budget)
+        assert len(made) == 1 or made[-2] < budget, (run, made, budget)
+        assert res["steps"] < res["args"]["total_steps"]  # the budget stopped it, not the step count
+        assert any("mc/seconds" in r for r in _steps(q / run))
+        assert summary["steps"][run.replace("-", "_")]["stopped_by"] == "token budget"
+    assert json.loads((q / "ppo-small/results.json").read_text())["args"]["critic"] == "small"
+
+    # d. the accuracies before and after, with their intervals, as the runs wrote them
+    acc = summary["accuracy"]
+    assert set(acc) == {"before", "after_grpo", "after_ppo_small"}
+    for key, run in (("before", "eval-before"), ("after_grpo", "grpo"), ("after_ppo_small", "ppo-small")):
+        test = json.loads((q / run / "results.json").read_text())["test"]
+        lo, hi = acc[key]["ci95"]
+        assert acc[key]["accuracy"] == test["accuracy"] and [lo, hi] == test["ci95"] and acc[key]["n"] == 8
+        assert 0 <= lo <= acc[key]["accuracy"] <= hi <= 1 and hi > lo
+    assert acc["after_grpo"]["paired_vs_before"]["n"] == 8
+    assert "part q: tiny-qwen2" in proc.stdout and "budget:" in proc.stdout
+
+
+@pytest.mark.background
+@pytest.mark.slow
+def test_run_gpu_part_q_killed_by_its_limit_keeps_what_finished(tmp_path):
+    """Part q killed by a tiny limit (T_Q): parts.tsv says so, summary.json names the kill and what did not finish,
+    every step it calls done has its files on disk, and a step that never started left no folder.
+
+    The part is told it has 300 s and may run 20 steps (Q_ARGS), so that its sizing does not shrink the runs to fit
+    the 10 s that timeout gives it (with T_Q alone it fits them: one step each, 11 s through the fork server): a first
+    step that misjudged the time. Through the fork server on 2 shared CPU cores the preflight takes 2-6 s, the whole
+    part at 3 steps a run 18-60 s."""
+    proc, out = _part_q(tmp_path, 10, "--limit-s 300 --max-steps 20")
+    parts = {n: int(rc) for n, rc, _ in map(str.split, (out / "parts.tsv").read_text().splitlines())}
+    assert parts == {"q_qwen": 124}, (parts, proc.stdout[-3000:])
+    assert proc.returncode != 0
+    summary = json.loads((out / "q/summary.json").read_text())
+    steps = summary["steps"]
+    assert summary["killed"].startswith("SIGTERM") and summary["finished"] is False
+    assert "ppo_small" in summary["unfinished"] and summary["unfinished"] == [
+        n for n in summary["order"] if steps[n]["status"] != "done"
+    ]
+    assert steps["preflight"]["status"] == "done", steps  # the first step fits in 10 s
+    assert json.loads((out / "q/preflight.json").read_text())["passed"] is False
+    statuses = [steps[n]["status"] for n in summary["order"]]
+    code = "".join({"done": "d", "skipped": "d", "killed": "k", "not started": "n"}[s] for s in statuses)
+    assert re.fullmatch("d+k?n*", code), statuses  # in order: done, at most one killed, then never started
+    wanted = {"eval_before": ["results.json"], "grpo": ["results.json", "curves.png"], "ppo_small": ["results.json"]}
+    for name, status in zip(summary["order"], statuses):
+        folder = out / "q" / qwen_part.FOLDERS[name]
+        if status == "done":
+            assert all((folder / f).is_file() for f in wanted.get(name, [])), name
+        if status == "not started":
+            assert not folder.exists(), name
+    assert not [p for p in out.rglob("*checkpoint*")], "a checkpoint was left under OUT"
+    assert "KILLED: SIGTERM" in proc.stdout  # run_gpu.sh printed the table from summary.json
+
+
+@pytest.mark.slow
+def test_run_gpu_part_q_without_qwen_gguf_is_skipped_on_the_record_and_bad_parts_are_refused(tmp_path):
+    """Not --tiny and no QWEN_GGUF: part q is skipped with its reason (SmolLM2 is not needed for it, nor is the
+    throughput table); an unknown part is one error line and exit 2, before anything runs."""
+    env = {k: v for k, v in _env().items() if k not in ("QWEN_GGUF", "SMOLLM2_GGUF")}
+    out = tmp_path / "out"
+    cmd = ["bash", "bench/run_gpu.sh"]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**env, "OUT": str(out), "PARTS": "q"}
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (out / "parts.tsv").read_text().split()[:2] == ["q_qwen", "0"]
+    assert "part q: skipped: QWEN_GGUF is unset" in (out / "q_qwen.log").read_text()
+    assert "QWEN_GGUF is unset" in json.loads((out / "q/summary.json").read_text())["skipped"]
+    assert not (out / "throughput.json").exists() and not (out / "table.txt").exists()
+    bad = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "OUT": str(tmp_path / "bad"), "PARTS": "a,z"},
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: unknown part 'z' in PARTS=a,z (the parts: a,b,c,d,e,f and q)"
+    ]
+    no_data = {k: v for k, v in env.items() if k != "GSM8K_DIR"}
+    bad = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**no_data, "OUT": str(tmp_path / "bad"), "PARTS": "q"},
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error: GSM8K_DIR is unset")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_part_q_sizes_one_budget_that_both_runs_fit():
+    """size_budget: B = (left - sum(fixed + one step)) / sum(step_s / tokens), capped, at least one step."""
+    runs = {
+        "grpo": {"step_s": 10.0, "tokens": 1000.0, "fixed_s": 30.0},
+        "ppo_small": {"step_s": 20.0, "tokens": 2000.0, "fixed_s": 40.0},
+    }
+    b = qwen_part.size_budget(400.0, runs, max_steps=200)
+    assert b["token_budget"] == 15_000  # (400 - (30 + 10) - (40 + 20)) / (10 / 1000 + 20 / 2000)
+    assert b["expected_steps"] == {"grpo": 15, "ppo_small": 8} and b["total_steps"] == 4 * 15 + 4
+    assert b["fits"] and sum(b["predicted_s"].values()) <= 400 and not b["capped_by_max_steps"]
+    capped = qwen_part.size_budget(400.0, runs, max_steps=3)
+    assert capped["token_budget"] == 3000 and capped["capped_by_max_steps"]
+    over = qwen_part.size_budget(50.0, runs, max_steps=200)
+    assert over["token_budget"] == 1 and not over["fits"]  # one step each, and on the record that it does not fit
+    # the first step's Monte Carlo measurement, taken every other step later, and its warm-up kept in
+    assert qwen_part.step_cost(12.0, 4.0, 2) == 10.0 and qwen_part.step_cost(12.0, 4.0, 1) == 12.0
+
+
+def test_part_q_bad_input_is_one_error_line_and_no_model_is_a_recorded_skip(tmp_path, capsys):
+    assert qwen_part.main(["--limit-s", "0", "--out", str(tmp_path / "a")]) == 2
+    assert qwen_part.main(["--model", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "b")]) == 2
+    assert qwen_part.main(["--no-such-flag"]) == 2
+    assert qwen_part.main(["--tiny", "--max-steps", "0", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 4 and all(line.startswith("error: ") for line in err), err
+    assert not [*tmp_path.iterdir()]  # nothing written
+    assert qwen_part.main(["--model", "", "--out", str(tmp_path / "q")]) == 0  # run_gpu.sh without QWEN_GGUF
+    summary = json.loads((tmp_path / "q/summary.json").read_text())
+    assert "QWEN_GGUF is unset" in summary["skipped"] and summary["finished"] is False
+    assert "part q: skipped: QWEN_GGUF is unset" in capsys.readouterr().out
 
 
 def test_reward_rise_compares_the_last_third_with_the_first():
