@@ -19,7 +19,7 @@ never started; after a SIGKILL it still says which step was running. No checkpoi
 final one removed once its run ends): the GGUF's 630M parameters in fp32 with AdamW's two moments are ~7.5 GB.
 
 It drives the scripts through their command lines only (python preflight.py, grpo.py, ppo.py, report.py), never
-importing them: the project's modules move, their command lines stay. Standard library only.
+importing them, but for intervals.py (plain numbers, no torch): the paired interval has one source.
 
     python bench/qwen_part.py --model "$QWEN_GGUF" --out OUT/q --limit-s 400    # the GPU (run_gpu.sh's part q)
     python bench/qwen_part.py --tiny --out /tmp/q --limit-s 300                  # tiny-qwen2 on the CPU, toy sizes
@@ -44,6 +44,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import intervals  # noqa: E402  (no torch, no project import: the one source of the intervals)
+
 TINY_MODEL = "tiny-qwen2"  # --tiny: the tiny random Qwen2 (q/k/v biases) with the packaged tokenizer
 ORDER = ("preflight", "eval_before", "probe_grpo", "probe_ppo_small", "grpo", "ppo_small")
 FOLDERS = {  # each step's folder (or file) under OUT
@@ -146,17 +149,14 @@ def fixed_cost(startup_s: float, eval_before: dict[str, Any] | None, limit_s: fl
     return startup_s + evals + 3 * save
 
 
-def paired_difference(after: list[float], before: list[float]) -> dict[str, Any] | None:
-    """after - before over the same test problems (results.json's test.correct, in the split's order): the mean
-    difference with a normal-approximation 95% interval (mean +- 1.96 sd / sqrt(n)); no interval when every problem
-    agrees (sd 0: an interval of zero width would read as certain)."""
+def paired_vs_before(after: list[float], before: list[float]) -> dict[str, Any] | None:
+    """after - before over the same test problems (results.json's test.correct, in the split's order), with the
+    t interval of intervals.paired_difference; no interval when every problem agrees (a zero-width one would read
+    as certain)."""
     if not after or len(after) != len(before):
         return None
-    d = [a - b for a, b in zip(after, before)]
-    mean = sum(d) / len(d)
-    sd = statistics.stdev(d) if len(d) > 1 else 0.0
-    half = 1.96 * sd / math.sqrt(len(d))
-    return {"difference": mean, "ci95": [mean - half, mean + half] if sd > 0 else None, "n": len(d)}
+    d, lo, hi = intervals.paired_difference(after, before)
+    return {"difference": d, "ci95": [lo, hi] if math.isfinite(lo) else None, "n": len(after)}
 
 
 # ======================================================================================================
@@ -393,7 +393,7 @@ class Part:
         before = self.summary["accuracy"].get("before")
         if before is not None and run != "eval-before":
             base = json.loads((self.out / FOLDERS["eval_before"] / "results.json").read_text())["test"]["correct"]
-            out["paired_vs_before"] = paired_difference(t["correct"], base)
+            out["paired_vs_before"] = paired_vs_before(t["correct"], base)
         return out
 
     # --- the whole part -----------------------------------------------------------------------------------

@@ -213,26 +213,17 @@ def test_run_gpu_part_q_without_qwen_gguf_is_skipped_on_the_record_and_bad_parts
     assert "part q: skipped: QWEN_GGUF is unset" in (out / "q_qwen.log").read_text()
     assert "QWEN_GGUF is unset" in json.loads((out / "q/summary.json").read_text())["skipped"]
     assert not (out / "throughput.json").exists() and not (out / "table.txt").exists()
-    bad = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**env, "OUT": str(tmp_path / "bad"), "PARTS": "a,z"},
-    )
+
+    def run_bad(env: dict, parts: str) -> subprocess.CompletedProcess:
+        out_env = {**env, "OUT": str(tmp_path / "bad"), "PARTS": parts}
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, env=out_env)
+
+    bad = run_bad(env, "a,z")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: unknown part 'z' in PARTS=a,z (the parts: a,b,c,d,e,f and q)"
     ]
     no_data = {k: v for k, v in env.items() if k != "GSM8K_DIR"}
-    bad = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**no_data, "OUT": str(tmp_path / "bad"), "PARTS": "q"},
-    )
+    bad = run_bad(no_data, "q")
     assert bad.returncode == 2 and bad.stderr.startswith("error: GSM8K_DIR is unset")
     assert not (tmp_path / "bad").exists()
 
