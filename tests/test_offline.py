@@ -29,9 +29,10 @@ from plumbing import models
 
 REPO = Path(__file__).resolve().parents[1]
 HUB_ID = "acme/tiny-cached"  # the tiny model, put in the test's hub cache under a hub id (cached_hub)
-# Wall-time bounds, generous on a loaded 2-core machine: one interpreter importing torch, transformers and datasets
-# spends ~5 s of CPU here (4-9 s wall); the preflight starts a second (the trainer's --print-args) and the sweep runs
-# the preflight. Before the change, the libraries' five retries slept 23 s for each file not cached, on top.
+# Wall-time bounds on an idle machine: one interpreter importing torch, transformers and datasets spends 2-6 s of CPU
+# here; the preflight starts a second (the trainer's --print-args) and the sweep runs the preflight. Before the change
+# the libraries' five retries slept 23 s for each file not cached, on top. check_refusal stretches the bound with the
+# machine's load (five engineers' tests on 2 cores took a refusal from 6 s to 27 s), never below these.
 SECONDS = 20
 CHAIN_SECONDS = 30
 
@@ -63,14 +64,15 @@ def run(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProces
 
 def check_refusal(proc: subprocess.CompletedProcess, seconds: float, limit: float, *way_out: str) -> str:
     """One `error:` line on stderr (nothing else there, no traceback), exit 2, saying the hub cannot be reached and
-    naming the way out, within `limit` seconds; no retry on stdout either."""
+    naming the way out, within `limit` seconds (more on a loaded machine); no retry on stdout either."""
     line = check_one_error_line(proc)
     assert proc.returncode == 2, (proc.returncode, line)
     assert "Retry" not in proc.stdout and "thrown while requesting" not in proc.stdout, proc.stdout
     assert "the hub cannot be reached (ConnectError" in line and all(w in line for w in way_out), line
     assert len(line) <= 200, f"{len(line)} characters: {line}"
-    load = os.getloadavg()[0] / (os.cpu_count() or 1)
-    assert seconds < limit, f"{seconds:.1f} s (the machine's load: {load:.1f} a core): {line}"
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)  # runnable processes a core, over the last minute
+    limit *= max(1.0, load / 2)
+    assert seconds < limit, f"{seconds:.1f} s, over {limit:.0f} s (the machine's load: {load:.1f} a core): {line}"
     return line
 
 
