@@ -11,13 +11,14 @@ generation itself (plumbing/generation.py). Imports intervals.py and the plumbin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -211,13 +212,24 @@ def check_data_change(saved: Any, now: dict[str, Any], allow: bool) -> str | Non
 
 
 def _load_gsm8k_hub() -> dict[str, list[Problem]]:
+    """openai/gsm8k through `datasets`: from the hub; while the hub cannot be reached (models.hub_unreachable), from
+    datasets' cache alone, at once (its offline mode: no request, so none of the libraries' retries); in neither, one
+    line naming the way out."""
+    offline = models.hub_unreachable()
     try:
         import datasets
 
-        ds = datasets.load_dataset("openai/gsm8k", "main")
-    except Exception as e:  # offline, or no datasets
+        with _datasets_offline(offline is not None):
+            ds = datasets.load_dataset("openai/gsm8k", "main")
+    except Exception as e:  # offline and not cached, the hub's refusal, or no datasets
+        if offline is not None and not isinstance(e, ImportError):
+            raise errors.UserError(
+                f"GSM8K: openai/gsm8k is not cached and the hub cannot be reached ({offline}); use --data-dir DIR "
+                "or GSM8K_DIR=DIR, a folder with train.jsonl and test.jsonl"
+            ) from None
         raise errors.UserError(
-            f"no GSM8K folder given (--data-dir or GSM8K_DIR) and the hub copy could not be read: {type(e).__name__}"
+            f"no GSM8K folder given (--data-dir DIR or GSM8K_DIR=DIR, a folder with train.jsonl and test.jsonl) and "
+            f"the hub copy could not be read: {type(e).__name__}"
         ) from None
     out = {}
     for split in ("train", "test"):
@@ -230,6 +242,28 @@ def _load_gsm8k_hub() -> dict[str, list[Problem]]:
             rows.append(Problem(row["question"], row["answer"], gold, f"openai/gsm8k {split} row {i}"))
         out[split] = rows
     return out
+
+
+@contextlib.contextmanager
+def _datasets_offline(on: bool) -> Iterator[None]:
+    """With on: datasets and huggingface_hub in their offline mode (HF_HUB_OFFLINE=1) for the calls inside, and
+    datasets' warnings ("Using the latest cached version ...") silenced; all as they were after. Both libraries read
+    HF_HUB_OFFLINE once, when imported: huggingface_hub's maintainers give its constant as the way to change it at
+    run time (huggingface/transformers#42308), and datasets keeps its own copy (datasets.config)."""
+    if not on:
+        yield
+        return
+    import datasets
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE, datasets.logging.get_verbosity()
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved[:2]
+        datasets.logging.set_verbosity(saved[2])
 
 
 class PromptSampler:

@@ -635,7 +635,10 @@ def main(argv: list[str]) -> int:
             print(" ".join(pre))
             return 0
         s.lock = rundir.RunLock(o.out, "sweep", "--out", "a sweep").acquire()  # held until this process exits
-        return run_preflight(o, pre, reuse=False)
+        rc = run_preflight(o, pre, reuse=False)
+        if rc not in (0, EXIT_NO_SIGNAL):  # the preflight failed (its error line said why): no OUT left that this
+            s.lock.release()  # sweep created and nothing wrote in (the lock's release removes it)
+        return rc
     if o.launcher == "torchrun":
         if not o.dry_run and subprocess.run(["sh", "-c", "command -v torchrun"], capture_output=True).returncode:
             raise UserError("--launcher torchrun needs torchrun on PATH")
@@ -660,6 +663,7 @@ def main(argv: list[str]) -> int:
                 print(refusal(o), file=sys.stderr, flush=True)
                 return EXIT_NO_SIGNAL
             if rc != 0:
+                s.lock.release()  # as above: no OUT left that this sweep created and nothing wrote in
                 return rc  # the preflight printed its error line
     s.state = states(runs, o.dry_run)
     jobs = f" ({o.jobs} at once)" if len(slots) > 1 and o.launcher == "seq" else ""

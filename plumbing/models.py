@@ -2,8 +2,10 @@
 
 Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAMES of hub models) and
 resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
-again); load_tokenizer, load_model and load_error; the tiny configs ("tiny", "tiny-qwen2"); the memory check a
-generation batch must pass before the model loads (check_generation_memory, from the model's config).
+again); load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
+request, so that an offline machine goes straight to the caches; gsm8k.py asks it too); the tiny configs ("tiny",
+"tiny-qwen2"); the memory check a generation batch must pass before the model loads (check_generation_memory,
+from the model's config).
 Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (distributed.py), checkpoints
 (checkpoint.py), generation or the training forward (generation.py, forward.py).
 Imports only errors.py.
@@ -16,10 +18,12 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import torch
 import torch.nn as nn
@@ -129,26 +133,96 @@ def resolve_model(name: str) -> Path | str:
     raise UserError(f"unknown model {name!r}: give {names}, a hub id, a local folder or a .gguf file")
 
 
+# ======================================================================================================
+# The hub: asked once whether it answers, so that an offline machine goes straight to the caches
+# ======================================================================================================
+
+HUB_PROBE_SECONDS = 4.0  # the hub's answer to the probe, at most (HF_HUB_ETAG_TIMEOUT instead, when set)
+_HUB_ANSWERS: dict[str, str | None] = {}  # endpoint -> hub_unreachable's answer, asked once per process
+WAY_OUT = f"use --model {PACKAGED_MODEL} (packaged), a local folder or a .gguf file"  # a model the hub cannot give
+
+
+def probe_hub(endpoint: str, timeout: float) -> str | None:
+    """Why the hub at endpoint does not answer ("ConnectError", "HTTP 503", "no answer in 4 s"), or None when it
+    does: one HEAD request through huggingface_hub's own session (its proxies, certificates and client factory), no
+    retry. Any answer below 500 is a hub that can be reached. Bounded by `timeout` in wall time, name resolution
+    included (the request runs in a daemon thread, abandoned after it)."""
+    from huggingface_hub import get_session
+
+    answer: list[str | None] = []
+
+    def ask() -> None:
+        try:
+            status = get_session().head(endpoint, timeout=timeout).status_code
+            answer.append(f"HTTP {status}" if status >= 500 else None)
+        except Exception as e:  # refused, unresolved, timed out, a proxy's refusal, a certificate
+            answer.append(type(e).__name__)
+
+    thread = threading.Thread(target=ask, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    return answer[0] if answer else f"no answer in {timeout:g} s"
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be reached ("ConnectError", "HF_HUB_OFFLINE is set"), or None when it
+    answers. Asked before the first hub call and once per process (probe_hub at huggingface_hub's endpoint,
+    HF_ENDPOINT, named in the reason when it is not the default one). The libraries' own requests retry a dead
+    connection five times, 23 s and eleven lines of warning for each file they do not find cached: a hub that does
+    not answer is left alone, and the caches are read at once (from_pretrained's local_files_only; datasets'
+    offline mode, gsm8k.py)."""
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    endpoint = constants.ENDPOINT.rstrip("/")
+    if endpoint not in _HUB_ANSWERS:
+        timeout = float(constants.HF_HUB_ETAG_TIMEOUT) if os.environ.get("HF_HUB_ETAG_TIMEOUT") else HUB_PROBE_SECONDS
+        why = probe_hub(endpoint, timeout)
+        where = urlsplit(endpoint).netloc
+        _HUB_ANSWERS[endpoint] = None if why is None else why + f" at {where}" * (where != "huggingface.co")
+    return _HUB_ANSWERS[endpoint]
+
+
+def _hub_kwargs(name: str, source: Path | str) -> dict[str, Any]:
+    """from_pretrained's extra arguments for source: for a hub id while the hub cannot be reached, the cache only
+    (local_files_only=True); a model whose config.json is not cached is refused at once, before transformers is
+    even imported."""
+    if not isinstance(source, str) or (why := hub_unreachable()) is None:
+        return {}
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(source, "config.json"), str):
+        raise offline_error(name, source, why)
+    return {"local_files_only": True}
+
+
+def offline_error(name: str, source: str, why: str) -> UserError:
+    """The one line for a hub model that is not cached while the hub cannot be reached (why), with the ways out."""
+    hub = f" ({source})" * (source != name)
+    return UserError(f"--model {name}{hub} is not cached and the hub cannot be reached ({why}); {WAY_OUT}")
+
+
 def load_error(what: str, name: str, source: Path | str, e: Exception) -> UserError:
     """One line for a model (or its tokenizer) that did not load; for a hub model that can be neither downloaded
     nor found in the hub's cache (an OSError from transformers), the ways out."""
     if not (isinstance(e, OSError) and isinstance(source, str)):
         return UserError(f"could not load {what} {name!r}: {type(e).__name__}: {e}")
-    why, hub = (str(e).strip().splitlines() or [type(e).__name__])[0][:200], f" ({source})" * (source != name)
-    return UserError(
-        f"model {name!r}{hub} cannot be fetched: not in the hub's cache, and the download failed ({why}); run with "
-        f"--model {PACKAGED_MODEL} (the packaged SmolLM2-135M-Instruct, no network needed) or --model with a local "
-        "folder that holds the model (config.json and weights, e.g. from `hf download` elsewhere)"
-    )
+    if (offline := hub_unreachable()) is not None:
+        return offline_error(name, source, offline)
+    why, hub = (str(e).strip().splitlines() or [type(e).__name__])[0][:160], f" ({source})" * (source != name)
+    return UserError(f"--model {name}{hub}: not in the hub's cache, and the hub did not give it ({why}); {WAY_OUT}")
 
 
-def _load_from(name: str, what: str, load: Callable[[Path | str], T]) -> T:
-    """load(resolve_model(name)). A conversion in this project's cache that fails to load (a truncated
+def _load_from(name: str, what: str, load: Callable[..., T]) -> T:
+    """load(resolve_model(name)); a hub id while the hub cannot be reached, from its cache only (_hub_kwargs).
+    A conversion in this project's cache that fails to load (a truncated
     model.safetensors or tokenizer.json) is named, moved aside (NAME.damaged-TIME) and converted again, once;
     if that fails too, the refusal gives the command that clears it."""
     source = resolve_model(name)
+    hub = _hub_kwargs(name, source)
     try:
-        return load(source)
+        return load(source, **hub)
     except Exception as e:
         why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         if not (isinstance(source, Path) and source.parent == cache_root()):
@@ -225,9 +299,8 @@ def load_model(name: str, tokenizer: Any, seed: int = 0) -> nn.Module:
             if name == TINY_QWEN2:
                 randomise_biases(model)
     else:
-        model = _load_from(
-            name, "model", lambda source: AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-        )
+        load = lambda source, **hub: AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **hub)
+        model = _load_from(name, "model", load)
     model.config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -301,10 +374,11 @@ def check_generation_memory(
 def _model_config(model: str) -> Any:
     if model in (TINY_MODEL, TINY_QWEN2):
         return tiny_config(family="qwen2" if model == TINY_QWEN2 else "llama")
+    source = resolve_model(model)
+    hub = _hub_kwargs(model, source)
     from transformers import AutoConfig
 
-    source = resolve_model(model)
     try:
-        return AutoConfig.from_pretrained(source)
+        return AutoConfig.from_pretrained(source, **hub)
     except OSError as e:  # transformers' answer to "no network and no cached copy", or "no such repository"
         raise load_error("model", model, source, e) if isinstance(source, str) else e from None
