@@ -43,7 +43,7 @@ from plumbing import checkpoint, distributed, errors, forward, generation, logs,
 class Args:
     # --- run ---
     run_dir: str | None = None
-    """folder for the checkpoint, metrics.jsonl and results.json (default: runs/dpo-{pairs}-{offline|online}-s{seed})"""
+    """folder for the checkpoint, metrics.jsonl and results.json; None: runs/dpo-{pairs}-{offline|online}-s{seed}"""
     seed: int = 1
     """seed of the model init, the data order and the sampling"""
     resume: bool = False
@@ -61,23 +61,23 @@ class Args:
     progress: bool = True
     """show tqdm progress bars"""
     track: bool = False
-    """log the metrics to Weights & Biases too (pip install wandb; WANDB_MODE=offline keeps them in run_dir/wandb)"""
+    """log the metrics to Weights & Biases too (WANDB_MODE=offline keeps them in run_dir/wandb)"""
     wandb_project: str = "rlvr-baselines"
     """--track: the W&B project"""
     wandb_entity: str | None = None
-    """--track: the W&B team or user (default: your own)"""
+    """--track: the W&B team or user; None: your own"""
 
     # --- model and data ---
+    # qwen2.5-0.5b from the hub; smollm2: the packaged SmolLM2-135M-Instruct GGUF, the CPU preset's (it shows the
+    # pipeline, not the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a folder or .gguf
     model: str = "qwen2.5-0.5b"
-    """qwen2.5-0.5b (the study's, from the hub), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (the packaged
-    SmolLM2-135M-Instruct GGUF: the CPU preset's, it shows the pipeline, not the answer), tiny or tiny-qwen2 (random,
-    for tests), a hub id, folder or .gguf"""
+    """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (packaged), tiny, hub id or path"""
     prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"
     """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
     data_dir: str | None = None
-    """folder with GSM8K's train.jsonl and test.jsonl (default: $GSM8K_DIR, else the hub)"""
+    """folder with GSM8K's train.jsonl and test.jsonl; None: $GSM8K_DIR, else the hub"""
     val_size: int = 500
     """problems carved out of train (fixed seed) for evaluation during training"""
     gradient_checkpointing: bool = False
@@ -119,7 +119,7 @@ class Args:
     pairs: Literal["self", "gold"] = "gold"
     """self: chosen and rejected both sampled; gold: chosen is GSM8K's reference solution"""
     online: bool = False
-    """sample pairs from the current policy every step (default: once, from the reference model)"""
+    """sample pairs from the current policy every step; off: once, from the reference model"""
     offline_prompts: int = 2048
     """training prompts sampled once for the offline pair set"""
     beta: float = 0.1

@@ -42,7 +42,7 @@ from plumbing import checkpoint, distributed, errors, forward, generation, logs,
 class Args:
     # --- run ---
     run_dir: str | None = None
-    """folder for the checkpoint, metrics.jsonl and results.json (default: runs/ppo-{critic}-s{seed})"""
+    """folder for the checkpoint, metrics.jsonl and results.json; None: runs/ppo-{critic}-s{seed}"""
     seed: int = 1
     """seed of the model init, the data order and the sampling"""
     resume: bool = False
@@ -60,23 +60,23 @@ class Args:
     progress: bool = True
     """show tqdm progress bars"""
     track: bool = False
-    """log the metrics to Weights & Biases too (pip install wandb; WANDB_MODE=offline keeps them in run_dir/wandb)"""
+    """log the metrics to Weights & Biases too (WANDB_MODE=offline keeps them in run_dir/wandb)"""
     wandb_project: str = "rlvr-baselines"
     """--track: the W&B project"""
     wandb_entity: str | None = None
-    """--track: the W&B team or user (default: your own)"""
+    """--track: the W&B team or user; None: your own"""
 
     # --- model and data ---
+    # qwen2.5-0.5b from the hub; smollm2: the packaged SmolLM2-135M-Instruct GGUF, the CPU preset's (it shows the
+    # pipeline, not the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a folder or .gguf
     model: str = "qwen2.5-0.5b"
-    """qwen2.5-0.5b (the study's, from the hub), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (the packaged
-    SmolLM2-135M-Instruct GGUF: the CPU preset's, it shows the pipeline, not the answer), tiny or tiny-qwen2 (random,
-    for tests), a hub id, folder or .gguf"""
+    """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (packaged), tiny, hub id or path"""
     prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"
     """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
     data_dir: str | None = None
-    """folder with GSM8K's train.jsonl and test.jsonl (default: $GSM8K_DIR, else the hub)"""
+    """folder with GSM8K's train.jsonl and test.jsonl; None: $GSM8K_DIR, else the hub"""
     val_size: int = 500
     """problems carved out of train (fixed seed) for evaluation during training"""
     gradient_checkpointing: bool = False
@@ -128,7 +128,7 @@ class Args:
     critic: Literal["none", "small", "medium", "large", "full"] = "small"
     """the critic's capacity (critics.py); none: REINFORCE with the batch-mean score as the baseline"""
     critic_lr: float | None = None
-    """critic learning rate (default: 1e-4 for a head, 1e-5 for the full critic)"""
+    """critic learning rate; None: 1e-4 for a head, 1e-5 for the full critic"""
     critic_grad: bool = False
     """let the value loss flow into the policy's trunk (heads read detached hidden states by default)"""
     vf_coef: float = 0.5
@@ -143,10 +143,10 @@ class Args:
     """whiten advantages over the whole batch (all ranks)"""
     kl_mode: Literal["loss", "reward"] = "loss"
     """where the KL to the reference goes: loss (k3, as GRPO) or reward (k1 per token, as classic RLHF PPO)"""
+    # VAPO's value pretraining: a critic's capacity is then not confounded with how fast a head learns from zero.
+    # The steps count toward --total-steps, the token budget and the learning-rate schedule.
     critic_warmup_steps: int = 0
-    """the first N steps update the critic only (value loss; the policy does not move), as VAPO's value
-    pretraining: a critic's capacity is then not confounded with how fast a head learns from zero. The steps
-    count toward --total-steps, the token budget and the learning-rate schedule"""
+    """the first N steps train the critic alone, the policy fixed (VAPO's value pretraining; they count as steps)"""
 
     # --- measurement against Monte Carlo ---
     mc_every: int = 10

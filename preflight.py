@@ -42,6 +42,9 @@ EXIT_NO_SIGNAL = 3
 
 @dataclass
 class Args:
+    """python preflight.py [OPTIONS] -- grpo.py [its flags]: the GRPO command after --, as the sweep would run it (./sweep.sh
+    --preflight builds it from the plan). Exit 0: enough signal; 3: refused; 2: a bad command."""
+
     out: str = "runs/sweep"
     """folder for preflight.json (the sweep's --out)"""
     prompts: int = 0
@@ -266,10 +269,10 @@ def preflight(a: Args, command: Sequence[str]) -> tuple[bool, dict]:
     return passed, stats
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    a = runtime._tyro_cli(Args, Args(), argv[:cut])
+    a = runtime.parse_args(Args, argv[:cut])
     passed, stats = preflight(a, argv[cut + 1 :])
     print(stats["verdict"], flush=True)
     if not passed:

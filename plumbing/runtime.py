@@ -19,8 +19,10 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,13 +213,27 @@ def parse_args(cls: type[T], args: Sequence[str] | None = None) -> T:
     return _tyro_cli(cls, cls(), args)
 
 
+def help_opening(cls: type) -> str:
+    """--help's opening: the first line of the script's docstring (what the script does), then the Args class's own
+    docstring if it has one (how to call it), each wrapped at words to the terminal's width (at most 120)."""
+    module = sys.modules.get(cls.__module__)
+    parts = [((module.__doc__ if module else None) or "").strip().split("\n")[0]]
+    own = cls.__doc__ or ""
+    if not own.startswith(cls.__name__ + "("):  # not the signature dataclass writes where there is no docstring
+        parts.append(" ".join(own.split()))
+    width = max(40, min(shutil.get_terminal_size().columns, 120))
+    # a hanging indent: tyro joins a line of the description that starts with a letter to the line before it
+    wrap = dict(width=width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+    return "\n\n".join(textwrap.fill(p, **wrap) for p in parts if p)
+
+
 def _tyro_cli(cls: type[T], default: T, args: Sequence[str] | None) -> T:
     import tyro
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            out = tyro.cli(cls, default=default, args=args)
+            out = tyro.cli(cls, default=default, args=args, description=help_opening(cls))
     except SystemExit as e:
         if e.code == 2:  # tyro printed an error box and exits 2: its message, as one line
             raise UserError(_tyro_message(err.getvalue())) from None
