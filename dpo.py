@@ -43,7 +43,7 @@ from plumbing import checkpoint, distributed, errors, forward, generation, logs,
 class Args:
     # --- run ---
     run_dir: str | None = None
-    """folder for the checkpoint, metrics.jsonl and results.json (default: runs/dpo-{pairs}-{offline|online}-s{seed})"""
+    """folder for the checkpoint, metrics.jsonl and results.json; None: runs/dpo-{pairs}-{offline|online}-s{seed}"""
     seed: int = 1
     """seed of the model init, the data order and the sampling"""
     resume: bool = False
@@ -61,23 +61,23 @@ class Args:
     progress: bool = True
     """show tqdm progress bars"""
     track: bool = False
-    """log the metrics to Weights & Biases too (pip install wandb; WANDB_MODE=offline keeps them in run_dir/wandb)"""
+    """log the metrics to Weights & Biases too (WANDB_MODE=offline keeps them in run_dir/wandb)"""
     wandb_project: str = "rlvr-baselines"
     """--track: the W&B project"""
     wandb_entity: str | None = None
-    """--track: the W&B team or user (default: your own)"""
+    """--track: the W&B team or user; None: your own"""
 
     # --- model and data ---
+    # qwen2.5-0.5b from the hub; smollm2: the packaged SmolLM2-135M-Instruct GGUF, the CPU preset's (it shows the
+    # pipeline, not the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a folder or .gguf
     model: str = "qwen2.5-0.5b"
-    """qwen2.5-0.5b (the study's, from the hub), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (the packaged
-    SmolLM2-135M-Instruct GGUF: the CPU preset's, it shows the pipeline, not the answer), tiny or tiny-qwen2 (random,
-    for tests), a hub id, folder or .gguf"""
+    """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (packaged), tiny, hub id or path"""
     prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"
     """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
     data_dir: str | None = None
-    """folder with GSM8K's train.jsonl and test.jsonl (default: $GSM8K_DIR, else the hub)"""
+    """folder with GSM8K's train.jsonl and test.jsonl; None: $GSM8K_DIR, else the hub"""
     val_size: int = 500
     """problems carved out of train (fixed seed) for evaluation during training"""
     gradient_checkpointing: bool = False
@@ -119,7 +119,7 @@ class Args:
     pairs: Literal["self", "gold"] = "gold"
     """self: chosen and rejected both sampled; gold: chosen is GSM8K's reference solution"""
     online: bool = False
-    """sample pairs from the current policy every step (default: once, from the reference model)"""
+    """sample pairs from the current policy every step; off: once, from the reference model"""
     offline_prompts: int = 2048
     """training prompts sampled once for the offline pair set"""
     beta: float = 0.1
@@ -157,7 +157,7 @@ SIZES = ("batch_per_rank", "optimizer_steps")
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
     logs.check_tracking(args)  # --track without wandb installed
-    runtime.check_ranges(  # DPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
+    runtime.check_ranges(  # the method's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
         positive=("samples_per_prompt", "offline_prompts", "beta"),
     )
@@ -170,16 +170,22 @@ CPU_SCALE = dict(
     lr=2e-6, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32, eval_max_new_tokens=192, save_every=6,
 )  # fmt: skip
 
+METHOD = "dpo"  # the banner's title, the progress bar's, results.json's method
+
 
 def main() -> None:
     # ==================================================================================================
-    # TRY NOT TO MODIFY: arguments, processes, sizes, data. TRY NOT TO MODIFY marks the skeleton that
-    # ppo.py, grpo.py and dpo.py share line for line; ALGO LOGIC marks the method
+    # TRY NOT TO MODIFY: arguments and processes. TRY NOT TO MODIFY marks the skeleton that ppo.py, grpo.py and
+    # dpo.py share line for line (tests/test_skeleton.py keeps it so); ALGO LOGIC marks the method
     # ==================================================================================================
     args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
     validate(args)
     dist_ = distributed.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
+
+    # ==================================================================================================
+    # ALGO LOGIC: the sizes (filled in and checked to divide), the largest generation batches, the run folder
+    # ==================================================================================================
     if args.pairs == "gold" and args.task != "gsm8k":
         raise errors.UserError("--pairs gold needs --task gsm8k (the reference solutions are GSM8K's)")
     if args.samples_per_prompt < (2 if args.pairs == "self" else 1):
@@ -195,11 +201,11 @@ def main() -> None:
         "--eval-batch-size": (args.eval_batch_size, args.eval_max_new_tokens),
     })  # fmt: skip
     run_dir = Path(args.run_dir or f"runs/dpo-{args.pairs}-{'online' if args.online else 'offline'}-s{args.seed}")
+
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: the run folder, seeds, data, the prompts
+    # ==================================================================================================
     checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
-    if not args.resume and (run_dir / "pairs.jsonl").exists():  # only a resume reuses them, under its own checks
-        raise errors.UserError(
-            f"{run_dir} holds pairs.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
-        )
     runtime.seed_everything(args.seed)
     splits = gsm8k.load_gsm8k(args.data_dir, args.val_size)
     data_used = gsm8k.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
@@ -242,7 +248,7 @@ def main() -> None:
     # ==================================================================================================
     # TRY NOT TO MODIFY: resume, banner, logging, evaluation, checkpoints
     # ==================================================================================================
-    state: dict = {}
+    state: dict = {}  # the checkpoint's, on --resume
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
     args_dict = dataclasses.asdict(args)  # results.json: every setting and the sizes
     settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
@@ -261,7 +267,7 @@ def main() -> None:
             "data": f"{data} ({gsm8k.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
             "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
         }
-        print(logs.describe_run("DPO", args, dist_, banner, scaled), flush=True)
+        print(logs.describe_run(METHOD.upper(), args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
     logger = logs.MetricsLogger(
         run_dir, dist_.main, resume_step=counters["step"] if args.resume else None,
@@ -285,6 +291,10 @@ def main() -> None:
         state = {"counters": counters, "sampler": sampler.state_dict(), "world": world, "data": data_used}
         checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
+    # ==================================================================================================
+    # ALGO LOGIC: the pairs: sampled K times a prompt and labelled by the verifier, their summed log-probs under a
+    # model, the reference's (DPO's baseline), and the pairs spread evenly over the ranks
+    # ==================================================================================================
     def sample_pairs(idx: list[int], first: int, n_global: int, step: int, stream: int, lm) -> tuple:
         """This rank's prompts idx (global positions first.. of n_global), sampled K times each by lm ->
         (pairs, named sums). Scored by the shared reward; a pair is (chosen, rejected) token ids; prompts
@@ -347,7 +357,8 @@ def main() -> None:
         return len(everyone), padded[dist_.rank * per_rank : (dist_.rank + 1) * per_rank]
 
     # ==================================================================================================
-    # ALGO LOGIC: offline, the pairs drawn once from the reference model and cached in the run folder
+    # ALGO LOGIC: what the steps draw from: offline, the pairs drawn once from the reference model and cached
+    # in the run folder; online, the train prompts; and the token budget that ends the loop
     # ==================================================================================================
     pair_set: list[dict] = []
     pairs_path = run_dir / "pairs.jsonl"
@@ -403,17 +414,20 @@ def main() -> None:
             print(f"offline pairs: {len(pair_set)} in {pairs_path}", flush=True)
     sampler = gsm8k.PromptSampler(len(pair_set) if not args.online else len(splits["train"]), args.seed)
     if args.resume:
-        sampler.load_state_dict(state["sampler"])
+        sampler.load_state_dict(state["sampler"])  # where the checkpoint left it
+    budget = args.token_budget if args.online else 0  # offline, it capped the pair sampling
 
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: the loop: each step's method (ALGO LOGIC), then its evaluation, metrics and checkpoint
+    # ==================================================================================================
     show = dist_.main and args.progress
-    bar = tqdm(total=args.total_steps, initial=counters["step"], desc="dpo", disable=not show)
-    while counters["step"] < args.total_steps and not (
-        args.online and args.token_budget and counters["generated_tokens"] >= args.token_budget
-    ):
+    bar = tqdm(total=args.total_steps, initial=counters["step"], desc=METHOD, disable=not show)
+    while counters["step"] < args.total_steps and not (budget and counters["generated_tokens"] >= budget):
         step = counters["step"]
         metrics: dict[str, float] = {}
         t0 = time.time()
-        sums: dict[str, torch.Tensor] = {}  # the step's named sums on this rank, reduced once in 5.
+        sums: dict[str, torch.Tensor] = {}  # the step's named sums on this rank, reduced over the ranks once
+        # ALGO LOGIC: the step, 1. to 5.
         # --- 1. rollouts: online, K completions of each of this rank's prompts; offline, cached pairs --------
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
         if args.online:  # K fresh samples per prompt from the current policy
@@ -507,16 +521,19 @@ def main() -> None:
                 }
             )
         metrics["generated_tokens"] = counters["generated_tokens"]
+        postfix = dict(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['reward_accuracy']:.2f}")  # the progress bar's
+
+        # --- TRY NOT TO MODIFY: the step's end: an evaluation every eval_every steps, the metrics row, and a
+        # checkpoint every save_every steps, and now on a stop signal to any rank ----------------------------
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
             metrics.update(gsm8k.eval_metrics("val", run_eval("val", args.eval_size)))
         logger.log(counters["step"], metrics)
         val = {"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['reward_accuracy']:.2f}", **val)
+        bar.set_postfix(**postfix, **val)
         bar.update(1)
 
-        # --- 6. checkpoint: every save_every steps, and now on a stop signal to any rank ----------------------
         saved = args.save_every and counters["step"] % args.save_every == 0
         if saved:
             save()
@@ -533,6 +550,12 @@ def main() -> None:
     bar.close()
 
     # ==================================================================================================
+    # ALGO LOGIC: what results.json says of the method: its variant, and its own counts
+    # ==================================================================================================
+    variant = f"{args.pairs}-{online}"
+    own: dict = {}  # none beyond the shared ones
+
+    # ==================================================================================================
     # TRY NOT TO MODIFY: the end: a checkpoint, the validation and test accuracy, results.json
     # ==================================================================================================
     save()
@@ -542,13 +565,14 @@ def main() -> None:
     counters["wall_time"] = time.time() - t_start
     if dist_.main:
         results = {
-            "method": "dpo",
-            "variant": f"{args.pairs}-{online}",
+            "method": METHOD,
+            "variant": variant,
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
+            **own,  # the method's own counts
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
             "critic_params": distributed.count_params(critic),

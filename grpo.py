@@ -42,7 +42,7 @@ from plumbing import checkpoint, distributed, errors, forward, generation, logs,
 class Args:
     # --- run ---
     run_dir: str | None = None
-    """folder for the checkpoint, metrics.jsonl and results.json (default: runs/grpo-s{seed})"""
+    """folder for the checkpoint, metrics.jsonl and results.json; None: runs/grpo-s{seed}"""
     seed: int = 1
     """seed of the model init, the data order and the sampling"""
     resume: bool = False
@@ -60,23 +60,23 @@ class Args:
     progress: bool = True
     """show tqdm progress bars"""
     track: bool = False
-    """log the metrics to Weights & Biases too (pip install wandb; WANDB_MODE=offline keeps them in run_dir/wandb)"""
+    """log the metrics to Weights & Biases too (WANDB_MODE=offline keeps them in run_dir/wandb)"""
     wandb_project: str = "rlvr-baselines"
     """--track: the W&B project"""
     wandb_entity: str | None = None
-    """--track: the W&B team or user (default: your own)"""
+    """--track: the W&B team or user; None: your own"""
 
     # --- model and data ---
+    # qwen2.5-0.5b from the hub; smollm2: the packaged SmolLM2-135M-Instruct GGUF, the CPU preset's (it shows the
+    # pipeline, not the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a folder or .gguf
     model: str = "qwen2.5-0.5b"
-    """qwen2.5-0.5b (the study's, from the hub), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (the packaged
-    SmolLM2-135M-Instruct GGUF: the CPU preset's, it shows the pipeline, not the answer), tiny or tiny-qwen2 (random,
-    for tests), a hub id, folder or .gguf"""
+    """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (packaged), tiny, hub id or path"""
     prompt_format: Literal["chat", "plain"] = "chat"
     """chat (the tokenizer's chat template) or plain (only for a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"
     """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
     data_dir: str | None = None
-    """folder with GSM8K's train.jsonl and test.jsonl (default: $GSM8K_DIR, else the hub)"""
+    """folder with GSM8K's train.jsonl and test.jsonl; None: $GSM8K_DIR, else the hub"""
     val_size: int = 500
     """problems carved out of train (fixed seed) for evaluation during training"""
     gradient_checkpointing: bool = False
@@ -132,13 +132,13 @@ class Args:
     loss_norm: Literal["token", "sequence", "constant"] = "token"
     """token: over all tokens of the minibatch; sequence: per sequence, then over sequences (GRPO); constant (Dr. GRPO)"""
     clip_eps_high: float | None = None
-    """a separate upper clip range (DAPO's clip-higher); default: clip_eps"""
+    """a separate upper clip range (DAPO's clip-higher); None: clip_eps"""
 
     # --- measurement against Monte Carlo ---
     mc_every: int = 10
     """measure the baseline against Monte Carlo every this many steps (0: never)"""
     mc_samples: int = 8
-    """Monte Carlo rollouts per measured state (K), apart from the group"""
+    """fresh Monte Carlo rollouts per measured state (K), apart from the training rollouts"""
     mc_prompts: int = 32
     """prompts of the step measured, over all ranks"""
     mc_states: int = 2
@@ -178,7 +178,7 @@ SIZES = ("completions_per_step", "completions_per_rank", "minibatch_size", "micr
 def validate(args: Args) -> None:
     """Every numeric flag in its range, right after parsing: one `error:` line and exit 2 before anything loads."""
     logs.check_tracking(args)  # --track without wandb installed
-    runtime.check_ranges(  # GRPO's own flags; the ones the trainers share are runtime.SHARED_RANGES
+    runtime.check_ranges(  # the method's own flags; the ones the trainers share are runtime.SHARED_RANGES
         args,
         positive=("num_minibatches", "clip_eps", "clip_eps_high"),
     )
@@ -186,7 +186,7 @@ def validate(args: Args) -> None:
         raise errors.UserError(f"--group-size {args.group_size} must be at least 2: the baseline is the group's mean")
     if args.top_p < 1:  # the ratio, the KL and the MC return need the log-probs of the distribution sampled from
         raise errors.UserError(
-            f"--top-p {args.top_p} biases grpo.py's ratio, KL and Monte Carlo return: the engine's log-probs are "
+            f"--top-p {args.top_p} biases {METHOD}.py's ratio, KL and Monte Carlo return: the engine's log-probs are "
             "the untruncated softmax's, not the nucleus it samples from; use --top-p 1 (dpo.py takes it)"
         )
 
@@ -198,16 +198,22 @@ CPU_SCALE = dict(
     mc_prompts=2, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32, eval_max_new_tokens=192, save_every=6,
 )  # fmt: skip
 
+METHOD = "grpo"  # the banner's title, the progress bar's, results.json's method
+
 
 def main() -> None:
     # ==================================================================================================
-    # TRY NOT TO MODIFY: arguments, processes, sizes, data. TRY NOT TO MODIFY marks the skeleton that
-    # ppo.py, grpo.py and dpo.py share line for line; ALGO LOGIC marks the method
+    # TRY NOT TO MODIFY: arguments and processes. TRY NOT TO MODIFY marks the skeleton that ppo.py, grpo.py and
+    # dpo.py share line for line (tests/test_skeleton.py keeps it so); ALGO LOGIC marks the method
     # ==================================================================================================
     args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
     validate(args)
     dist_ = distributed.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
+
+    # ==================================================================================================
+    # ALGO LOGIC: the sizes (filled in and checked to divide), the largest generation batches, the run folder
+    # ==================================================================================================
     measure.check_measurement(args, world)  # --mc-samples, --mc-prompts, --mc-states
     args.completions_per_step = args.batch_size * args.group_size  # over all ranks; groups stay on one rank
     runtime.check_divides("--batch-size", args.batch_size, world, "the world size")
@@ -223,6 +229,10 @@ def main() -> None:
     })  # fmt: skip
     G, micro = args.group_size, args.micro_batch
     run_dir = Path(args.run_dir or f"runs/grpo-s{args.seed}")
+
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: the run folder, seeds, data, the prompts
+    # ==================================================================================================
     checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
     splits = gsm8k.load_gsm8k(args.data_dir, args.val_size)
@@ -265,7 +275,7 @@ def main() -> None:
     # ==================================================================================================
     # TRY NOT TO MODIFY: resume, banner, logging, evaluation, checkpoints
     # ==================================================================================================
-    sampler = gsm8k.PromptSampler(len(splits["train"]), args.seed)
+    state: dict = {}  # the checkpoint's, on --resume
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
     args_dict = dataclasses.asdict(args)  # results.json: every setting and the sizes
     settings = {k: v for k, v in args_dict.items() if k not in SIZES}  # the checkpoint's: a resume must match
@@ -276,7 +286,6 @@ def main() -> None:
         if notice and dist_.main:
             print(notice, flush=True)
         counters.update(state["counters"])
-        sampler.load_state_dict(state["sampler"])
     if dist_.main:
         data = f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
         banner = {
@@ -285,7 +294,7 @@ def main() -> None:
             "data": f"{data} ({gsm8k.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
             "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
         }
-        print(logs.describe_run("GRPO", args, dist_, banner, scaled), flush=True)
+        print(logs.describe_run(METHOD.upper(), args, dist_, banner, scaled), flush=True)
     stopper = runtime.StopSignal()
     logger = logs.MetricsLogger(
         run_dir, dist_.main, resume_step=counters["step"] if args.resume else None,
@@ -309,14 +318,26 @@ def main() -> None:
         state = {"counters": counters, "sampler": sampler.state_dict(), "world": world, "data": data_used}
         checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
+    # ==================================================================================================
+    # ALGO LOGIC: what the steps draw from: the train prompts in a seeded order, resumed where it was, and the
+    # token budget that ends the loop
+    # ==================================================================================================
+    sampler = gsm8k.PromptSampler(len(splits["train"]), args.seed)  # the train prompts' order, seeded
+    if args.resume:
+        sampler.load_state_dict(state["sampler"])  # where the checkpoint left it
+    budget = args.token_budget  # the loop ends once the training rollouts have generated this many tokens
+
+    # ==================================================================================================
+    # TRY NOT TO MODIFY: the loop: each step's method (ALGO LOGIC), then its evaluation, metrics and checkpoint
+    # ==================================================================================================
     show = dist_.main and args.progress
-    bar = tqdm(total=args.total_steps, initial=counters["step"], desc="grpo", disable=not show)
-    while counters["step"] < args.total_steps and not (
-        args.token_budget and counters["generated_tokens"] >= args.token_budget
-    ):
+    bar = tqdm(total=args.total_steps, initial=counters["step"], desc=METHOD, disable=not show)
+    while counters["step"] < args.total_steps and not (budget and counters["generated_tokens"] >= budget):
         step = counters["step"]
         metrics: dict[str, float] = {}
         t0 = time.time()
+        sums: dict[str, torch.Tensor] = {}  # the step's named sums on this rank, reduced over the ranks once
+        # ALGO LOGIC: the step, 1. to 7.
         # --- 1. rollouts: G completions of each of this rank's prompts, from the policy's whole weights -------
         batch_idx = sampler.next(args.batch_size)  # the global batch; this rank takes its contiguous share
         lo, hi = common.shard_range(args.batch_size, dist_.rank, world)
@@ -356,7 +377,7 @@ def main() -> None:
         groups_equal = (scores.view(-1, G).std(-1) == 0).float()  # [B / G]: no learning signal
 
         # --- 5. ALGO LOGIC: the baseline measured against Monte Carlo, every mc_every steps -------------------
-        if args.mc_every and step % args.mc_every == 0:  # measure the group's baseline against Monte Carlo
+        if args.mc_every and step % args.mc_every == 0:  # measure the baseline against Monte Carlo
             t_mc = time.time()
             measured = measure.measured_prompts(args.batch_size, args.mc_prompts, dist_.rank, world)
             rows = [i * G for i in measured]  # one completion per measured prompt
@@ -377,7 +398,6 @@ def main() -> None:
 
         # --- 6. update: update_epochs passes of num_minibatches optimiser steps over the same global rows -----
         t_update = time.time()
-        sums: dict[str, torch.Tensor] = {}  # the step's named sums on this rank, reduced once in 7.
         B = len(prompts)
         for epoch in range(args.update_epochs):
             # the same global minibatches on one rank or N; this rank holds minibatch_size rows of each
@@ -456,16 +476,19 @@ def main() -> None:
                 "tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
             }
         )
+        postfix = dict(reward=f"{metrics['reward']:.3f}", len=f"{metrics['response_len']:.0f}")  # the progress bar's
+
+        # --- TRY NOT TO MODIFY: the step's end: an evaluation every eval_every steps, the metrics row, and a
+        # checkpoint every save_every steps, and now on a stop signal to any rank ----------------------------
         if device.type == "cuda":
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if args.eval_every and counters["step"] % args.eval_every == 0 and counters["step"] < args.total_steps:
             metrics.update(gsm8k.eval_metrics("val", run_eval("val", args.eval_size)))
         logger.log(counters["step"], metrics)
         val = {"val": f"{metrics['val/accuracy']:.3f}"} if "val/accuracy" in metrics else {}
-        bar.set_postfix(reward=f"{metrics['reward']:.3f}", len=f"{metrics['response_len']:.0f}", **val)
+        bar.set_postfix(**postfix, **val)
         bar.update(1)
 
-        # --- 8. checkpoint: every save_every steps, and now on a stop signal to any rank ----------------------
         saved = args.save_every and counters["step"] % args.save_every == 0
         if saved:
             save()
@@ -482,6 +505,12 @@ def main() -> None:
     bar.close()
 
     # ==================================================================================================
+    # ALGO LOGIC: what results.json says of the method: its variant, and its own counts
+    # ==================================================================================================
+    variant = "group" if args.scale_rewards == "group" else "group-unscaled"
+    own = {"trained_tokens": counters.get("trained_tokens", 0), "policy_params": distributed.count_params(policy)}
+
+    # ==================================================================================================
     # TRY NOT TO MODIFY: the end: a checkpoint, the validation and test accuracy, results.json
     # ==================================================================================================
     save()
@@ -491,15 +520,14 @@ def main() -> None:
     counters["wall_time"] = time.time() - t_start
     if dist_.main:
         results = {
-            "method": "grpo",
-            "variant": "group" if args.scale_rewards == "group" else "group-unscaled",
+            "method": METHOD,
+            "variant": variant,
             "seed": args.seed,
             "steps": counters["step"],
             "val": val,
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
-            "trained_tokens": counters.get("trained_tokens", 0),
-            "policy_params": distributed.count_params(policy),
+            **own,  # the method's own counts
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
             "critic_params": distributed.count_params(critic),

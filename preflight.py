@@ -13,15 +13,14 @@ measurement would then have for GRPO's nmse and for a perfect critic's (predicte
 
 Holds: the sampling (gsm8k.encode_prompt, generation.generate, gsm8k.score: the trainers' own prompt, sampler and
 reward), the estimators, the predicted standard error of nmse, the verdict. Does not hold: any training, the plan
-(sweep.sh), the scheduling (sweep_runner.py), the report (report.py). It imports common, engine and runtime, never a
-trainer: the trainer's settings come from `python grpo.py ... --print-args` (runtime.cli).
+(sweep.sh), the scheduling (sweep_runner.py), the report (report.py). The trainer's settings come from the trainer
+itself: the preflight imports the one its command names and parses the command with runtime.cli, as the trainer would.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -43,6 +42,9 @@ EXIT_NO_SIGNAL = 3
 
 @dataclass
 class Args:
+    """python preflight.py [OPTIONS] -- grpo.py [its flags]: the GRPO command after --, as the sweep would run it (./sweep.sh
+    --preflight builds it from the plan). Exit 0: enough signal; 3: refused; 2: a bad command."""
+
     out: str = "runs/sweep"
     """folder for preflight.json (the sweep's --out)"""
     prompts: int = 0
@@ -164,19 +166,30 @@ def verdict(stats: dict, threshold: float) -> tuple[bool, str]:
 # ======================================================================================================
 
 
+TRAINERS = ("ppo.py", "grpo.py", "dpo.py")  # the scripts whose command the preflight reads
+
+
 def trainer_settings(command: Sequence[str]) -> dict:
-    """The settings a trainer command would run with (runtime.cli's --print-args), preset applied."""
-    if not command or not command[0].endswith(".py"):
-        raise errors.UserError("give the GRPO command after --, e.g. python preflight.py -- grpo.py --model tiny")
-    proc = subprocess.run(
-        [sys.executable, command[0], *command[1:], runtime.PRINT_ARGS], cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
-    if proc.returncode != 0:  # the trainer printed its own error line
-        sys.exit(proc.returncode)
-    args = json.loads(proc.stdout.strip().splitlines()[-1])["args"]
-    if "group_size" not in args:
+    """The settings a trainer command would run with, its preset applied: the trainer named first (a trainer of
+    this repository) is imported and its Args and CPU preset go through runtime.cli, in this process. Anything
+    else, a bad flag among the trainer's, or a trainer without a group, is a UserError of one line."""
+    script = Path(command[0]) if command else None
+    if script is None or script.name not in TRAINERS or (REPO / script).resolve() != REPO / script.name:
+        given = f" (got {command[0]})" if command else ""
+        raise errors.UserError(
+            f"give a trainer's command after --, one of {', '.join(TRAINERS)} of this repository{given}: "
+            "python preflight.py -- grpo.py --model tiny"
+        )
+    import dpo  # the trainers sit a layer below the preflight (tests/test_layout.py): their Args and CPU presets
+    import grpo
+    import ppo
+
+    trainer = {"ppo.py": ppo, "grpo.py": grpo, "dpo.py": dpo}[script.name]
+    args, _ = runtime.cli(trainer.Args, trainer.Args(**trainer.CPU_SCALE), command[1:])
+    settings = dataclasses.asdict(args)
+    if "group_size" not in settings:
         raise errors.UserError(f"{command[0]} has no --group-size: the preflight samples a GRPO line")
-    return args
+    return settings
 
 
 @torch.no_grad()
@@ -256,10 +269,10 @@ def preflight(a: Args, command: Sequence[str]) -> tuple[bool, dict]:
     return passed, stats
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    a = runtime._tyro_cli(Args, Args(), argv[:cut])
+    a = runtime.parse_args(Args, argv[:cut])
     passed, stats = preflight(a, argv[cut + 1 :])
     print(stats["verdict"], flush=True)
     if not passed:

@@ -531,7 +531,7 @@ class Args:
     paths: Annotated[list[str], tyro.conf.Positional, tyro.conf.arg(metavar="FOLDER ...")] = field(default_factory=list)
     """a sweep's folder (OUT/<experiment>/<run>/results.json): its report; or run folders (each holding metrics.jsonl): each run's curves as curves.png beside it"""
     report_dir: str | None = None
-    """where a sweep's report goes (default: OUT/report)"""
+    """where a sweep's report goes; None: OUT/report"""
     estimate: str | None = None
     """print the full sweep's duration from the step times of the runs under this sweep folder"""
     estimate_model: str | None = None

@@ -531,6 +531,11 @@ def load_checkpoint(
     return state
 
 
+# What a run writes before its first checkpoint: a new run refuses a folder that holds one (a run that never saved
+# left it), and a resume takes it up. pairs.jsonl: dpo.py's offline pairs, sampled once before the first step.
+EARLY_FILES = ("metrics.jsonl", "pairs.jsonl")
+
+
 def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: bool = False) -> None:
     """A new run needs a folder without a checkpoint; --resume needs one. Nothing is ever overwritten.
 
@@ -538,7 +543,8 @@ def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: boo
     finished run (results.json) says so and ends (RunFinished, exit 0) before touching anything; the folder is locked for the life of the run (rank 0;
     a folder in use is refused naming its holder); the leftovers of a killed save (.checkpoint.tmp-*, and
     .checkpoint.old-* beside a checkpoint) are removed; a resume that finds only a set-aside .checkpoint.old-*
-    is refused unless --resume-from-backup."""
+    is refused unless --resume-from-backup; a new run that finds what a run writes before its first checkpoint
+    (EARLY_FILES) is refused."""
     if run_dir.exists() and not run_dir.is_symlink() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir} is not a folder (a file of that name exists)")
     refuse_links(run_dir)  # before anything is read or written through one
@@ -567,7 +573,8 @@ def prepare_run_dir(run_dir: Path, resume: bool, is_main: bool, from_backup: boo
         )
     if not resume and (has_ckpt or (run_dir / "results.json").exists()):
         raise UserError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-dir")
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise UserError(
-            f"{run_dir} holds metrics.jsonl from a run that never saved a checkpoint; remove it or choose another --run-dir"
-        )
+    for early in EARLY_FILES:  # only a resume reuses them, under the checkpoint's checks
+        if not resume and (run_dir / early).exists():
+            raise UserError(
+                f"{run_dir} holds {early} from a run that never saved a checkpoint; remove it or choose another --run-dir"
+            )

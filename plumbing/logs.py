@@ -1,8 +1,9 @@
 """What a run writes besides its checkpoint: the banner, metrics.jsonl (and TensorBoard, W&B), results.json.
 
-Holds: the banner every trainer prints first, --track's checks and Weights & Biases run (CleanRL's wandb.init),
-MetricsLogger (one JSON line per step, the same scalars to TensorBoard and W&B; a resumed run's rows after its
-checkpoint moved aside), and write_results (results.json, atomically, and the run's last line).
+Holds: the banner every trainer prints first (every setting, grouped as its Args groups them, within 120 columns),
+--track's checks and Weights & Biases run (CleanRL's wandb.init), MetricsLogger (one JSON line per step, the same
+scalars to TensorBoard and W&B; a resumed run's rows after its checkpoint moved aside), and write_results
+(results.json, atomically, and the run's last line).
 Does not hold: the checkpoint (checkpoint.py), the run folder's files and lock (rundir.py), reading results back
 for the report (read_runs.py). Imports errors, rundir, runtime and distributed.
 """
@@ -10,9 +11,13 @@ for the report (read_runs.py). Imports errors, rundir, runtime and distributed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
+import inspect
 import json
 import os
+import re
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,20 +30,62 @@ from plumbing.errors import UserError
 from plumbing.rundir import named_path, open_nofollow, write_json_atomic
 from plumbing.runtime import notice_once
 
-
 # ======================================================================================================
 # Logging: settings first, metrics.jsonl per step, TensorBoard scalars, Weights & Biases with --track
 # ======================================================================================================
+BANNER_WIDTH = 120
+
+
 def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scaled: list[str]) -> str:
-    """The banner every trainer prints first: device, dtype, model, data, and every setting."""
+    """The banner every trainer prints first, each line at most BANNER_WIDTH characters (a longer word alone on its
+    line): the device, what the trainer says of its run (extra: the model, the method, the data, the run folder),
+    what the CPU preset changed, and every setting, `name=value`, grouped as Args groups them, one group a line."""
+    wrap = dict(width=BANNER_WIDTH, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
     lines = [f"== {title} ==", f"device: {dist_.device} x {dist_.world} process(es), dtype: {dtype_name(dist_.device)}"]
-    lines += [f"{k}: {v}" for k, v in extra.items()]
+    lines += [textwrap.fill(f"{k}: {v}", **wrap) for k, v in extra.items()]
     if scaled:
-        lines.append(
-            "no GPU: scaled down for the CPU (pass --scale study to run the study's settings): " + ", ".join(scaled)
-        )
-    lines.append("settings: " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+        lines += _fill("CPU preset (no GPU; --scale study runs the study's settings):", scaled, ",", "    ")
+    lines.append("settings:")
+    for group, names in setting_groups(type(args)):
+        lines += _fill(f"  {group}:", [f"{n}={getattr(args, n)}" for n in names], "", "    ")
     return "\n".join(lines)
+
+
+def setting_groups(cls: type) -> list[tuple[str, list[str]]]:
+    """A dataclass's fields as its source groups them under `# --- name ---` comments (the name up to a comma or a
+    parenthesis), in order; fields before any such comment, or every field when the source cannot be read, under
+    "settings"."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return [("settings", names)]
+    groups: list[tuple[str, list[str]]] = [("settings", [])]
+    placed: set[str] = set()
+    for line in source.splitlines():
+        header = re.match(r"\s*# --- (.+?) -+\s*$", line)
+        field = re.match(r"    (\w+)\s*:", line)  # a field at the class body's indentation
+        if header:
+            groups.append((re.split(r"[,(]", header.group(1))[0].strip(), []))
+        elif field and field.group(1) in names and field.group(1) not in placed:
+            groups[-1][1].append(field.group(1))
+            placed.add(field.group(1))
+    groups[0][1].extend(n for n in names if n not in placed)
+    return [(g, ns) for g, ns in groups if ns]
+
+
+def _fill(head: str, items: list[str], sep: str, indent: str) -> list[str]:
+    """head and the items, sep after each but the last, on lines of at most BANNER_WIDTH characters; an item is
+    never cut, the lines after the first begin with indent."""
+    lines, line = [], head
+    for i, item in enumerate(items):
+        piece = item + (sep if i < len(items) - 1 else "")
+        if len(line) + 1 + len(piece) > BANNER_WIDTH and line.strip() != head.strip():
+            lines.append(line)
+            line = indent + piece
+        else:
+            line = f"{line} {piece}"
+    return [*lines, line]
 
 
 def check_tracking(args: Any) -> None:

@@ -15,13 +15,14 @@ import contextlib
 import dataclasses
 import gc
 import io
-import json
 import math
 import os
 import random
 import re
+import shutil
 import signal
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,39 +153,58 @@ def run_main(main: Callable[[], Any]) -> None:
 T = TypeVar("T")
 
 
-PRINT_ARGS = "--print-args"  # a trainer's settings as it would run them, one JSON line, then exit 0
-
-
 def cli(cls: type[T], cpu: T, args: Sequence[str] | None = None) -> tuple[T, list[str]]:
-    """A trainer's Args from the command line (tyro), its defaults one of two explicit presets: the study's
-    (cls()) or the CPU's (`cpu`). --scale cpu, or --scale auto where --device resolves to the CPU, runs the CPU
-    preset; --scale study the study's; --help shows the one that runs on this machine. A flag given always wins.
-    Returns the args and what the CPU preset changed ("batch_size 512 -> 8"), for the banner and results.json.
-    A bad flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line).
-
-    --print-args (PRINT_ARGS) anywhere among the flags prints {"args": every setting, "scaled": what the preset
-    changed} as one JSON line and exits 0, loading nothing: how the sweep's preflight (preflight.py) reads a plan
-    line's settings without importing a trainer."""
+    """A trainer's Args from the command line, its defaults one of two explicit presets: the study's (cls()) or the
+    CPU's (`cpu`). --scale cpu, or --scale auto where --device resolves to the CPU, runs the CPU preset; --scale
+    study the study's. Those two flags are read first (flag_value), then tyro parses the command line once with the
+    chosen preset as its default, so --help shows the defaults that would run. A flag given always wins.
+    Returns the args and what the CPU preset changed ("batch_size 512 -> 8": each field left to the preset where it
+    differs from the study's), for the banner and results.json. A bad flag or value is a UserError of one line, not
+    tyro's box. args: the flags (default: the command line)."""
     flags = list(sys.argv[1:] if args is None else args)
-    if PRINT_ARGS in flags:
-        out, changed = cli(cls, cpu, [f for f in flags if f != PRINT_ARGS])
-        print(json.dumps({"args": dataclasses.asdict(out), "scaled": changed}), flush=True)
-        sys.exit(0)
-    on_gpu = torch.cuda.is_available()
     study = cls()
-    first = _tyro_cli(cls, study if on_gpu else cpu, args)  # --help stops here, with this machine's preset
-    second = _tyro_cli(cls, cpu if on_gpu else study, args)
-    at_study, at_cpu = (first, second) if on_gpu else (second, first)
-    device = at_study.device if at_study.device != "auto" else ("cuda" if on_gpu else "cpu")
-    if at_study.scale == "study" or (at_study.scale == "auto" and device.startswith("cuda")):
-        return at_study, []
-    # both parses saw the same flags: a field differs only where it was left to the preset
+    scale = flag_value(flags, "scale", study.scale)
+    device = flag_value(flags, "device", study.device)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not (scale == "cpu" or (scale == "auto" and not device.startswith("cuda"))):
+        return _tyro_cli(cls, study, flags), []  # a bad --scale or --device is tyro's to refuse
+    out = _tyro_cli(cls, cpu, flags)
+    given = given_fields(cls, flags)
     changed = [
-        f"{f.name} {getattr(at_study, f.name)} -> {getattr(at_cpu, f.name)}"
+        f"{f.name} {getattr(study, f.name)} -> {getattr(cpu, f.name)}"
         for f in dataclasses.fields(cls)
-        if getattr(at_study, f.name) != getattr(at_cpu, f.name)
+        if f.name not in given and getattr(study, f.name) != getattr(cpu, f.name)
     ]
-    return at_cpu, changed
+    return out, changed
+
+
+def flag_value(flags: Sequence[str], name: str, default: Any) -> Any:
+    """The value of one flag as tyro (argparse) will read it, before it parses: `--name value` or `--name=value`,
+    in dashes or underscores, the last one given; `default` when it is absent. The value is not checked here."""
+    spellings = {"--" + name, "--" + name.replace("_", "-")}
+    value = default
+    for i, flag in enumerate(flags):
+        key, eq, after = flag.partition("=")
+        if key in spellings:
+            value = after if eq else (flags[i + 1] if i + 1 < len(flags) else value)
+    return value
+
+
+def given_fields(cls: type, flags: Sequence[str]) -> set[str]:
+    """The fields of cls that the flags set, in any spelling tyro takes (`--batch-size 8`, `--batch_size=8`,
+    `--no-progress`). A value never starts with `--` (argparse refuses one), so every such token is a flag."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    given = set()
+    for flag in flags:
+        if not flag.startswith("--"):
+            continue
+        key = flag[2:].partition("=")[0].replace("-", "_")
+        if key in names:
+            given.add(key)
+        elif key.startswith("no_") and key[3:] in names:  # a boolean's --no-x
+            given.add(key[3:])
+    return given
 
 
 def parse_args(cls: type[T], args: Sequence[str] | None = None) -> T:
@@ -193,13 +213,27 @@ def parse_args(cls: type[T], args: Sequence[str] | None = None) -> T:
     return _tyro_cli(cls, cls(), args)
 
 
+def help_opening(cls: type) -> str:
+    """--help's opening: the first line of the script's docstring (what the script does), then the Args class's own
+    docstring if it has one (how to call it), each wrapped at words to the terminal's width (at most 120)."""
+    module = sys.modules.get(cls.__module__)
+    parts = [((module.__doc__ if module else None) or "").strip().split("\n")[0]]
+    own = cls.__doc__ or ""
+    if not own.startswith(cls.__name__ + "("):  # not the signature dataclass writes where there is no docstring
+        parts.append(" ".join(own.split()))
+    width = max(40, min(shutil.get_terminal_size().columns, 120))
+    # a hanging indent: tyro joins a line of the description that starts with a letter to the line before it
+    wrap = dict(width=width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+    return "\n\n".join(textwrap.fill(p, **wrap) for p in parts if p)
+
+
 def _tyro_cli(cls: type[T], default: T, args: Sequence[str] | None) -> T:
     import tyro
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            out = tyro.cli(cls, default=default, args=args)
+            out = tyro.cli(cls, default=default, args=args, description=help_opening(cls))
     except SystemExit as e:
         if e.code == 2:  # tyro printed an error box and exits 2: its message, as one line
             raise UserError(_tyro_message(err.getvalue())) from None

@@ -63,6 +63,7 @@ BAD = {
     "unknown pairs": ("dpo.py", ["--pairs", "silver"], "--pairs", "self", "gold"),
     "malformed number": ("ppo.py", ["--batch-size", "eight"], "--batch-size", "eight", "int"),
     "the old flag": ("ppo.py", ["--rollouts-per-prompt", "2"], "--rollouts-per-prompt", "Unrecognized", ""),
+    "the removed --print-args": ("grpo.py", ["--print-args"], "--print-args", "Unrecognized", ""),
 }
 
 
@@ -92,6 +93,61 @@ def test_the_scale_picks_a_preset_and_flags_given_win(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args, changed = runtime.cli(Args, cpu, ["--scale", "study"])
     assert args == Args(scale="study") and changed == []
+
+
+def test_the_command_line_is_parsed_once(monkeypatch):
+    """runtime.cli reads --scale and --device first, then runs tyro once, with the chosen preset as its default."""
+    import tyro
+
+    from ppo import CPU_SCALE, Args
+
+    calls: list = []
+    real = tyro.cli
+    monkeypatch.setattr(tyro, "cli", lambda *a, **k: calls.append(k.get("default")) or real(*a, **k))
+    for gpu, flags, preset in [
+        (False, ["--batch-size", "6"], Args(**CPU_SCALE)),
+        (True, ["--batch-size", "6"], Args()),
+        (True, ["--scale=cpu"], Args(**CPU_SCALE)),
+        (True, ["--device=cpu"], Args(**CPU_SCALE)),  # auto, where --device resolves to the CPU
+        (False, ["--scale", "study", "--device", "cpu"], Args()),
+        (False, ["--device", "cpu", "--scale", "auto", "--scale", "study"], Args()),  # the last one given counts
+    ]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        calls.clear()
+        args, _ = runtime.cli(Args, Args(**CPU_SCALE), flags)
+        assert calls == [preset], (gpu, flags)
+        assert args.max_new_tokens == preset.max_new_tokens
+
+
+def test_a_flag_given_is_never_reported_as_scaled(monkeypatch):
+    """Under the CPU preset, a flag given with the study's default wins and so does one given with the preset's own
+    value (in any spelling tyro takes: dashes or underscores, `=` or a space); neither is reported as scaled, and
+    every field left to the preset that differs from the study's is."""
+    from ppo import CPU_SCALE, Args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    study = Args()
+    flags = ["--num-minibatches", str(study.num_minibatches), f"--max_new_tokens={CPU_SCALE['max_new_tokens']}",
+             "--total-steps", str(CPU_SCALE["total_steps"]), "--no-progress"]  # fmt: skip
+    args, changed = runtime.cli(Args, Args(**CPU_SCALE), flags)
+    assert args.num_minibatches == study.num_minibatches and args.progress is False
+    assert (args.max_new_tokens, args.total_steps) == (CPU_SCALE["max_new_tokens"], CPU_SCALE["total_steps"])
+    left = [k for k, v in CPU_SCALE.items() if k not in ("num_minibatches", "max_new_tokens", "total_steps")]
+    assert changed == [f"{k} {getattr(study, k)} -> {CPU_SCALE[k]}" for k in Args.__dataclass_fields__ if k in left]
+    for k in left:
+        assert getattr(args, k) == CPU_SCALE[k]
+
+
+def test_help_shows_the_preset_the_flags_given_choose(monkeypatch, capsys):
+    """--scale study --help on a machine without a GPU shows the study's defaults: the ones that would run."""
+    from ppo import CPU_SCALE, Args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        runtime.cli(Args, Args(**CPU_SCALE), ["--scale", "study", "--help"])
+    assert e.value.code == 0
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
+    assert re.search(rf"--batch-size INT .*?\(default: {Args().batch_size}\)", text), text[:400]
 
 
 def test_all_reduce_sums_returns_each_named_sum_as_a_float():

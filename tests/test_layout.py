@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # A module may import only modules of a lower layer (docs/design.md's map). The trainers and the study's tools
-# sit on top; the trainers never import each other.
+# sit on top; the trainers never import each other; the preflight, a layer above them, imports the trainer its
+# command names (its Args and CPU preset).
 LAYERS = [
     ["plumbing.errors", "intervals", "critics"],
     ["plumbing.rundir", "plumbing.rollout", "plumbing.models"],
@@ -28,8 +29,8 @@ LAYERS = [
     ["common"],
     ["gsm8k"],
     ["measure"],
-    ["ppo", "grpo", "dpo", "preflight", "read_runs", "sweep_runner"],
-    ["plots", "estimate"],
+    ["ppo", "grpo", "dpo", "read_runs", "sweep_runner"],
+    ["preflight", "plots", "estimate"],
     ["report"],
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

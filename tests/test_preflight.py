@@ -171,16 +171,48 @@ def test_a_model_that_cannot_be_fetched_is_one_error_line(tmp_path):
     assert proc.returncode == 2 and "no-such-org/no-such-model" in line
 
 
-def test_the_trainers_print_their_settings_without_loading_anything(tmp_path):
-    proc = subprocess.run(
-        [python(), "grpo.py", "--model", "tiny", "--scale", "cpu", "--group-size", "3", "--run-dir",
-         str(tmp_path / "r"), "--print-args"],
-        cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
-    assert out["args"]["group_size"] == 3 and out["args"]["max_new_tokens"] == 96  # the CPU preset applied
-    assert out["scaled"] and not (tmp_path / "r").exists()
+def test_the_preflight_reads_a_trainers_settings_in_process_without_loading_anything(tmp_path, monkeypatch):
+    """The trainer named after -- is imported and its Args and CPU preset go through runtime.cli in this process: no
+    subprocess, no model, no run folder."""
+    import grpo
+
+    def refused(*a, **k):
+        raise AssertionError("the preflight started a process or loaded a model to read the settings")
+
+    monkeypatch.setattr(subprocess, "run", refused)
+    monkeypatch.setattr(subprocess, "Popen", refused)
+    monkeypatch.setattr(models, "load_model", refused)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --scale cpu, not the machine, picks the preset
+    run_dir = tmp_path / "r"
+    args = preflight.trainer_settings(
+        ["grpo.py", "--model", "tiny", "--scale", "cpu", "--group-size", "3", "--run-dir", str(run_dir)]
+    )
+    assert args["group_size"] == 3 and args["model"] == "tiny"  # the flags given win
+    assert args["max_new_tokens"] == grpo.CPU_SCALE["max_new_tokens"] == 96  # the CPU preset applied
+    assert args["scale"] == "cpu" and not run_dir.exists()
+    assert preflight.trainer_settings([str(REPO / "grpo.py")])["group_size"] == grpo.Args().group_size
+
+
+@pytest.mark.parametrize(
+    "command,named",
+    [
+        (["report.py", "--out", "x"], "report.py"),
+        (["sweep_runner.py"], "sweep_runner.py"),
+        (["bench/throughput.py"], "bench/throughput.py"),
+        (["/elsewhere/grpo.py"], "/elsewhere/grpo.py"),
+        ([], "grpo.py"),
+        (["dpo.py"], "--group-size"),
+        (["grpo.py", "--group-size", "two"], "--group-size"),
+    ],
+)
+def test_a_command_the_preflight_cannot_sample_is_one_line(command, named):
+    """Only a trainer of this repository (and one with a group) is sampled; anything else, or a bad flag in the
+    trainer's command, is a UserError of one line (run_main: `error:` and exit 2), raised in this process."""
+    from plumbing import errors
+
+    with pytest.raises(errors.UserError) as e:
+        preflight.trainer_settings(command)
+    assert named in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""What a person reads first: `--help` of the trainers, report.py and the preflight (an opening line that says what
+the script does, each default once, no line broken inside a phrase, no advice to install what requirements.txt
+installs), and the banner a trainer prints before it runs (every setting once, grouped as Args groups them, no
+line over 120 characters). In this process, through the scripts' own parsing."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from plumbing import logs, runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ["ppo.py", "grpo.py", "dpo.py", "report.py", "preflight.py"]
+BANNER_WIDTH = 120
+
+
+def help_of(script: str, monkeypatch, capsys, columns: int) -> str:
+    """`python script --help` in this process, on a terminal `columns` wide (no GPU: the CPU preset's defaults)."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = importlib.import_module(script.removesuffix(".py"))
+    with pytest.raises(SystemExit) as e:
+        if hasattr(module, "CPU_SCALE"):  # a trainer
+            runtime.cli(module.Args, module.Args(**module.CPU_SCALE), ["--help"])
+        else:
+            module.main(["--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def entries(text: str) -> dict[str, list[str]]:
+    """The help's arguments: each one's first line (its flags) -> its description lines, box borders dropped.
+    tyro prints an argument's flags at the left, its description in a column to the right (on the next lines when
+    the flags are long)."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for raw in text.splitlines():
+        line = raw.rstrip().removesuffix("│").rstrip()
+        if not line.startswith(("│", "  ")) or set(line.strip()) <= set("─-"):
+            current = None  # usage, the description, a box's title or rule
+            continue
+        body = line[2:]  # "│ " in a box (a terminal), two spaces in plain text (a pipe)
+        if body[:1] not in (" ", ""):  # a new argument: its flags, then (two spaces on) its description
+            flags, _, desc = body.partition("  ")
+            current = flags
+            out[current] = [desc.strip()] if desc.strip() else []
+        elif current is not None:
+            out[current].append(body.strip())
+    return out
+
+
+def first_line(doc: str | None) -> str:
+    return (doc or "").strip().splitlines()[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_opens_with_what_the_script_does(script, monkeypatch, capsys):
+    """The first line of the help after the usage: the script's docstring's first line (wrapped at words)."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    for columns in (200, 80):
+        text = help_of(script, monkeypatch, capsys, columns)
+        before_options = text.split("-h, --help")[0].split(" options")[0].split(" positional arguments")[0]
+        opening = [line for line in before_options.splitlines() if line.strip() and not line.startswith("usage:")]
+        assert opening and " ".join(" ".join(opening).split()).startswith(first_line(module.__doc__)), opening[:2]
+        assert all(len(line) <= columns for line in opening), f"the opening runs past {columns} columns: {opening}"
+
+
+def help_problems(text: str) -> list[str]:
+    """An argument that shows "(default:" twice, and a description broken onto a new line where the next word would
+    have fitted: tyro fills each line of the description's column, so a break in the middle of a phrase (a
+    docstring's own line break) leaves a line shorter than the column's widest."""
+    found = entries(text)
+    widest = max((len(line) for lines in found.values() for line in lines), default=0)
+    problems = []
+    for flags, lines in found.items():
+        if " ".join(lines).count("(default:") > 1:
+            problems.append(f"{flags}: two defaults: {' '.join(lines)}")
+        for this, following in zip(lines, lines[1:]):
+            word = following.split()[0]
+            if len(this) + 1 + len(word) <= widest:
+                problems.append(f"{flags}: broken mid-phrase after {this!r} (next: {word!r})")
+    return problems
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("columns", [80, 120])
+def test_help_shows_each_default_once_and_breaks_lines_only_where_they_are_full(script, columns, monkeypatch, capsys):
+    """No argument shows "(default:" twice (its docstring says what a value means, tyro prints the default), and no
+    description breaks in the middle of a phrase (help_problems)."""
+    text = help_of(script, monkeypatch, capsys, columns)
+    assert len(entries(text)) > 3, text[:500]
+    assert not help_problems(text)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_never_asks_to_install_what_requirements_installs(script, monkeypatch, capsys):
+    text = " ".join(help_of(script, monkeypatch, capsys, 200).split())
+    required = {re.split(r"[<>=\s#]", line)[0].lower() for line in (ROOT / "requirements.txt").read_text().splitlines()}
+    for package in re.findall(r"pip install ([\w.-]+)", text):
+        assert package.lower() not in required, f"--help says `pip install {package}`; requirements.txt installs it"
+
+
+def banner_of(script: str, flags: list[str], monkeypatch) -> tuple[str, object, list[str]]:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = importlib.import_module(script.removesuffix(".py"))
+    args, scaled = runtime.cli(module.Args, module.Args(**module.CPU_SCALE), flags)
+    dist_ = SimpleNamespace(device=torch.device("cpu"), world=1)
+    extra = {"model": "tiny (3,219,776 parameters)", "run_dir": "runs/x"}
+    return logs.describe_run(module.METHOD.upper(), args, dist_, extra, scaled), args, scaled
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
+def test_the_banner_shows_every_setting_once_grouped_as_args_and_within_120_columns(script, monkeypatch):
+    text, args, scaled = banner_of(script, ["--total-steps", "1", "--model", "tiny"], monkeypatch)
+    lines = text.splitlines()
+    assert lines[0] == f"== {script.removesuffix('.py').upper()} ==" and "runs/x" in text
+    long = [line for line in lines if len(line) > BANNER_WIDTH]
+    assert not long, f"{len(long)} lines over {BANNER_WIDTH} characters, the longest {max(map(len, long))}"
+    names = [f.name for f in dataclasses.fields(args)]
+    shown = [m.group(1) for line in lines for m in re.finditer(r"(?:^|\s)(\w+)=\S*", line)]
+    assert shown == names, "every setting once, in Args's order, each name=value whole on one line"
+    for f in dataclasses.fields(args):  # its value as the run sees it
+        assert re.search(rf"(?:^|\s){f.name}={re.escape(str(getattr(args, f.name)))}(?:\s|$)", text), f.name
+    source = (ROOT / script).read_text()
+    groups = [g.split(",")[0].strip() for g in re.findall(r"\n    # --- (.+?) ---\n", source.split("class Args")[1])]
+    labels = [line.split(":")[0].strip() for line in lines if line.startswith("  ") and not line.startswith("    ")]
+    assert labels == groups, labels  # one group a line (its continuation lines indented further)
+    # the CPU preset's changes: a short list, each change whole on one line
+    assert scaled and all(any(change in line for line in lines) for change in scaled), scaled
+
+
+def test_the_checks_catch_a_phrase_broken_by_a_docstring_and_a_second_default():
+    """The help as tyro printed --model before (its docstring's own line break) and --run-dir (two defaults)."""
+    text = (
+        "  --model STR            qwen2.5-0.5b (the study's, from the hub), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b\n"
+        "                         (the packaged\n"
+        "                         SmolLM2-135M-Instruct GGUF), a hub id, folder or .gguf (default: smollm2)\n"
+        "  --run-dir {None}|STR   folder for the checkpoint (default: runs/ppo-{critic}-s{seed}) (default: None)\n"
+    )
+    assert list(entries(text)) == ["--model STR", "--run-dir {None}|STR"]
+    problems = help_problems(text)
+    assert len(problems) == 2 and "after '(the packaged'" in problems[0] and "two defaults" in problems[1], problems
