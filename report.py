@@ -355,47 +355,47 @@ def preflight_lines(out: Path) -> list[str]:
         return ["", "Preflight: none in this folder (`./sweep.sh --preflight` measures the model's signal first)."]
     try:
         p = json.loads(path.read_text())
-        st, pr, thr = p["settings"], p["predicted"], p["threshold"]["informative"]
+        st, pr, effect = p["settings"], p["predicted"], float(p["smallest_effect"])
+        bounds = pr.get("bounds") or []
 
-        def num(x: Any) -> str:
-            return fmt_num(x) if finite(x) else "n/a"
+        def num(key: str) -> str:
+            return ("<= " if key in bounds else "") + fmt_num(pr.get(key)) if finite(pr.get(key)) else "n/a"
 
+        rule = f"the smallest effect {effect:g}" if effect else "no smallest effect asked (--smallest-effect 0)"
         text = (
             f"**Preflight** ({path.name}, {p.get('written', '?')}): {st['model']} on {st['task']} at temperature "
             f"{st['temperature']:g}, {st['max_new_tokens']} new tokens, {p['prompts']} train prompts x "
-            f"{p['samples_per_prompt']}: pass rate {p['pass_rate']:.3f}, signal E[p(1-p)] {p['signal']:.4f}, "
-            f"informative {p['informative']:.2f} ({p['informative_prompts']} prompts with 0 < p < 1); threshold "
-            f"{thr:g}: {'passed' if p['passed'] else 'refused (the sweep ran with --force)'}. Predicted standard "
-            f"error of one run's nmse: GRPO's leave-one-out mean {num(pr['se_nmse_grpo'])} at {pr['prompt_states']} "
-            f"prompt states (its value {num(pr['nmse_grpo'])}), a perfect critic's {num(pr['se_nmse_perfect'])} "
-            f"over {pr['states']} states (K = {pr['mc_samples']})."
+            f"{p['samples_per_prompt']}: pass rate {p['pass_rate']:.3f}, outcome variance E[p(1-p)] "
+            f"{p['signal']:.4f}, informative share {p['informative']:.2f} ({p['informative_prompts']} prompts with "
+            f"0 < p < 1), resolved share inside d {num('resolved')}. Predicted for one run's nmse, value +- standard "
+            f"error: GRPO's leave-one-out mean {num('nmse_grpo_prompt')} +- {num('se_grpo_prompt')} at "
+            f"{pr['prompt_states']} prompt states and {num('nmse_grpo_states')} +- {num('se_grpo_states')} over "
+            f"{pr['effective_states']:,.0f} effective of {pr['states']:,} token-weighted states; a perfect critic "
+            f"0 +- {num('se_perfect_prompt')} and 0 +- {num('se_perfect_states')} (K = {pr['mc_samples']}). GRPO's "
+            f"3-seed interval at the prompt: +- {num('half_width_3_seeds')} (median), against {rule}: "
+            f"{'passed' if p['passed'] else 'refused (the sweep ran with --force)'}."
         )
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return ["", f"Preflight: {path} is damaged ({type(e).__name__}: {e}); ./sweep.sh --preflight writes it anew."]
     if not p["passed"]:
-        text += " Too few prompts carry signal: the baselines' errors below rest on little."
+        text += " The baselines' errors below cannot tell the smallest effect apart."
     return ["", text]
 
 
-def informative_warnings(runs: list[dict[str, Any]], out: Path) -> list[str]:
-    """One warning per run whose pooled count of informative states (metrics.jsonl's mc/informative_states over
-    the measurements after the first, as mc_summary pools them) is below what the preflight's threshold implies:
-    threshold x the states it measured (preflight.json's threshold, else preflight.MIN_INFORMATIVE)."""
-    threshold = preflight.MIN_INFORMATIVE
-    try:
-        threshold = float(json.loads((out / "preflight.json").read_text())["threshold"]["informative"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+def informative_warnings(runs: list[dict[str, Any]]) -> list[str]:
+    """One warning per run whose measured prompt states have an informative share (their K 0/1 scores not all
+    equal: 0 < p < 1) below preflight.MIN_INFORMATIVE, pooled over the measurements after the first as mc_summary
+    pools them. Like with like: the preflight's informative share is measured at the prompt too; states inside a
+    completion are more often decided, so their share is lower for the same model."""
     lines = []
     for r in sorted(runs, key=lambda r: (*sort_key(r["experiment"], r["run"]), r["seed"])):
-        meas = [row for row in r["rows"] if finite(row.get("mc/informative_states")) and finite(row.get("mc/states"))]
-        meas = meas[1:] if len(meas) > 1 else meas
-        k, n = sum(row["mc/informative_states"] for row in meas), sum(row["mc/states"] for row in meas)
-        if meas and k < threshold * n:
+        sums = r["mc"].get("prompt_sums") or {}
+        k, n = sums.get("signal_groups"), sums.get("groups")
+        if finite(k) and finite(n) and n > 0 and k < preflight.MIN_INFORMATIVE * n:
             lines.append(
-                f"- warning: {r['experiment']}/{Path(r['dir']).name} measured {k:.0f} informative states of {n:.0f} "
-                f"(0 < p < 1; fewer than the {math.ceil(threshold * n)} that the preflight's threshold {threshold:g} "
-                "implies): its baseline error rests on few states"
+                f"- warning: {r['experiment']}/{Path(r['dir']).name}: {k:.0f} of {n:.0f} prompt states informative "
+                f"(0 < p < 1; share {k / n:.2f} < {preflight.MIN_INFORMATIVE:g}): its baseline error at the prompt "
+                "rests on few states"
             )
     return ["", *lines] if lines else []
 
@@ -470,7 +470,7 @@ def write_report(out: Path, report_dir: Path) -> Path:
     lines = [
         f"# Sweep report: {out}",
         *preflight_lines(out),
-        *informative_warnings(runs, out),
+        *informative_warnings(runs),
         *data_differences(runs),
         "",
         f"Written by report.py on {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} finished runs. "
