@@ -14,7 +14,9 @@ import measure
 from plumbing import models
 
 
-def _grpo_on_a_value_process(d: float, n: int = 20000, G: int = 8, K: int = 8, seed: int = 0) -> dict:
+def _grpo_on_a_value_process(
+    d: float, n: int = 20000, G: int = 8, K: int = 8, seed: int = 0, own: bool = False
+) -> dict:
     """GRPO's leave-one-out mean scored by baseline_error_by_state on a value process where the share d of the
     outcome's variance resolved at the inside state is known: with probability d the state already holds the
     outcome (V(s_t) = R), else it holds nothing yet (V(s_t) = p). Var(V(s_t) - p) = d p (1 - p)."""
@@ -27,8 +29,9 @@ def _grpo_on_a_value_process(d: float, n: int = 20000, G: int = 8, K: int = 8, s
     truth = torch.cat([p, v_inside])  # [2n] the prompt states, then one state inside each completion
     returns = (torch.rand(2 * n, K, generator=g, dtype=torch.float64) < truth[:, None]).double()  # [2n, K]
     t = torch.cat([torch.zeros(n), torch.full((n,), 5.0)]).long()
+    b = (outcome + (G - 1) * loo) / G if own else loo  # own: the group mean, the completion's own reward in it
     return measure.baseline_error_by_state(
-        torch.cat([loo, loo]), returns.mean(-1), K, t, groups=torch.arange(2 * n) % n, mc_var=returns.var(-1)
+        torch.cat([b, b]), returns.mean(-1), K, t, groups=torch.arange(2 * n) % n, mc_var=returns.var(-1)
     )
 
 
@@ -44,6 +47,18 @@ def test_grpo_reads_one_over_g_minus_one_at_the_prompt_and_more_inside(d):
     # every state together: sums of both parts, so between the two
     assert parts["_prompt"]["nmse"] < parts[""]["nmse"] < parts["_inside"]["nmse"]
     assert parts[""]["n"] == parts["_prompt"]["n"] + parts["_inside"]["n"]
+
+
+@pytest.mark.parametrize("d", [0.3, 0.6])
+def test_the_group_mean_reads_one_over_g_at_the_prompt_and_more_inside(d):
+    """GRPO's group mean with the completion's own reward in it (mc/group, runs.csv nmse_group_mean): 1/G at the
+    prompt; inside, (1 + (G-2) d) / (G (1 - d)): 0.50 at d = 0.3 and 1.44 at d = 0.6 for G = 8, below the
+    leave-one-out mean's (1/(G-1) + d) / (1 - d) only because it holds that completion's own outcome."""
+    G = 8
+    parts = _grpo_on_a_value_process(d, G=G, own=True)
+    assert parts["_prompt"]["nmse"] == pytest.approx(1 / G, rel=0.08)
+    assert parts["_inside"]["nmse"] == pytest.approx((1 + (G - 2) * d) / (G * (1 - d)), rel=0.08)
+    assert parts["_inside"]["nmse"] < _grpo_on_a_value_process(d, G=G)["_inside"]["nmse"]
 
 
 def test_a_shaped_return_leaves_the_signal_to_the_scores():
