@@ -514,11 +514,18 @@ def write_report(out: Path, report_dir: Path) -> Path:
     except ImportError:
         plt = None
     if plt is not None:
-        caption = plot_crossover(plt, runs, report_dir / "crossover.png")
+        note = toy_reason(runs, out)  # in every figure's title, where these runs answer nothing
+        caption = plot_crossover(plt, runs, report_dir / "crossover.png", note)
         plots.append(("crossover.png", caption))
-        plot_curves(plt, runs, report_dir / "curves.png")
-        plots.append(("curves.png", "Learning curves: mean over seeds, with a 95% band where there are several."))
-        plot_errors(plt, runs, report_dir / "errors.png")
+        plot_curves(plt, runs, report_dir / "curves.png", note)
+        plots.append(
+            (
+                "curves.png",
+                "Learning curves: mean over seeds, with a 95% band where there are several; a curve drawn over an"
+                ' earlier one is a larger ring and says "same as" in the legend.',
+            )
+        )
+        plot_errors(plt, runs, report_dir / "errors.png", note)
         plots.append(
             (
                 "errors.png",

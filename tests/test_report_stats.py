@@ -273,3 +273,51 @@ def test_the_compute_section_shows_each_runs_flops_by_part_and_no_count_is_writt
     for col in ("generation", "reference", "old values", "update", "critic", "total", "wall time"):
         assert col in head, col
     assert "summed over the 2 runs of one seed" in md and "17 runs" not in md
+
+
+def test_a_missing_interval_is_a_hollow_marker_never_a_zero_width_bar(tmp_path):
+    """Seeds that agree exactly (every run 0% on every problem) have no accuracy interval: the crossover draws such
+    a point hollow, without a bar of zero width, and its caption says what hollow means."""
+    runs = _sweep(tmp_path, same_correct=True)
+    assert math.isnan(plots.seed_stats([0.0, 0.0, 0.0])[1]), "no interval: nan, not a half-width of 0"
+    keep = _KeepFigures()
+    caption = plots.plot_crossover(keep, runs, tmp_path / "c.png")
+    ax = keep.figs[0].axes[0]
+    points = [line for line in ax.lines if line.get_marker() in ("o", "*") and len(line.get_xdata()) == 1]
+    assert points and all(line.get_markerfacecolor() == "none" for line in points), "no interval: hollow"
+    for container in ax.containers:  # every bar drawn has a width
+        for bars in container.lines[2]:
+            for seg in bars.get_segments():
+                assert abs(seg[1][0] - seg[0][0]) + abs(seg[1][1] - seg[0][1]) > 0
+    assert "hollow" in caption and "no interval" in caption
+
+
+def test_toy_figures_say_so_and_a_point_on_few_states_says_how_few(tmp_path):
+    """A smoke sweep's figures are titled as toy output; a point whose nmse rests on fewer informative states than
+    plots.FEW_STATES carries its count beside it."""
+    runs = _sweep(tmp_path)
+    keep = _KeepFigures()
+    plots.plot_crossover(keep, runs, tmp_path / "c.png", note="A smoke sweep")
+    plots.plot_curves(keep, runs, tmp_path / "u.png", note="A smoke sweep")
+    plots.plot_errors(keep, runs, tmp_path / "e.png", note="A smoke sweep")
+    titles = [fig._suptitle.get_text() if fig._suptitle else fig.axes[0].get_title() for fig in keep.figs]
+    assert all("A smoke sweep" in t and "not a result" in t for t in titles), titles
+    texts = [t.get_text() for t in keep.figs[0].axes[0].texts]
+    few = [r for r in report.summarize(runs) if r["run"] == "ppo-small"][0]
+    n = round(sum(r["mc"]["sums"]["signal_groups"] for r in runs if r["run"] == "ppo-small"))
+    assert n < plots.FEW_STATES and any(f"{n} informative" in t for t in texts), (n, texts, few["nmse"])
+
+
+def test_curves_that_lie_on_one_another_are_told_apart(tmp_path):
+    """Two runs with the same curve (the smoke sweep's critics, all at 50%): each drawn with its own marker and line
+    style, and the legend says which lies under which."""
+    runs = _sweep(tmp_path)
+    for r in runs:  # every run the same validation curve
+        r["curve"] = {**r["curve"], "val_step": [1, 2], "val": [0.5, 0.5], "val_tokens": [10.0, 20.0]}
+    keep = _KeepFigures()
+    plots.plot_curves(keep, runs, tmp_path / "u.png")
+    ax = keep.figs[0].axes[0]
+    lines = [line for line in ax.lines if line.get_label() and not line.get_label().startswith("_")]
+    assert len(lines) == 2
+    assert len({(line.get_marker(), line.get_linestyle()) for line in lines}) == 2
+    assert any("same as ppo-small" in line.get_label() for line in lines), [x.get_label() for x in lines]
