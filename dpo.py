@@ -401,6 +401,7 @@ def main() -> None:
             )
         if dist_.main:
             print(f"offline pairs: {len(pair_set)} in {pairs_path}", flush=True)
+    offline_reference_tokens = sum(len(p["chosen"] + p["rejected"]) for p in pair_set)  # each cached pair scored once
     sampler = gsm8k.PromptSampler(len(pair_set) if not args.online else len(splits["train"]), args.seed)
     if args.resume:
         sampler.load_state_dict(state["sampler"])
@@ -439,6 +440,8 @@ def main() -> None:
         if args.online:
             reference_logps(pairs)
         weights = torch.tensor([p.get("weight", 1.0) for p in pairs], device=device)  # [N]
+        # the tokens the update trains (each real pair's chosen and rejected) and, online, the reference scored
+        sums["pair_tokens"] = float(sum(len(p["chosen"]) + len(p["rejected"]) for p in pairs if p.get("weight", 1.0)))
         ref_c = torch.tensor([p["ref_chosen"] for p in pairs], device=device)  # [N]
         ref_r = torch.tensor([p["ref_rejected"] for p in pairs], device=device)  # [N]
 
@@ -483,6 +486,9 @@ def main() -> None:
         total = distributed.all_reduce_sums(sums)
         n_pairs = total.get("weight", 0.0)  # 0 when no prompt of an online step yielded a pair: logged as null
         counters["step"] = step + 1
+        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(total["pair_tokens"]) * args.update_epochs
+        if args.online:  # offline, the reference scored every cached pair once, before step 1 (results.json)
+            counters["reference_tokens"] = counters.get("reference_tokens", 0) + int(total["pair_tokens"])
         keys = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
         metrics.update({k: total[k] / n_pairs if n_pairs else float("nan") for k in keys})
         metrics.update(
@@ -549,6 +555,9 @@ def main() -> None:
             "val": val,
             "generated_tokens": counters["generated_tokens"],
             "mc_tokens": counters["mc_tokens"],
+            "trained_tokens": counters.get("trained_tokens", 0),
+            "reference_tokens": counters.get("reference_tokens", 0) + offline_reference_tokens,
+            "policy_params": distributed.count_params(policy),
             "eval_tokens": counters["eval_tokens"],
             "wall_time_s": counters["wall_time"],
             "critic_params": distributed.count_params(critic),
