@@ -83,8 +83,8 @@ The definitions, with their formulas: docs/measurement.md.
   what each matching leaves unmatched (prompts per token, gold solutions, pairs per completion): docs/sweep.md.
 - **matched compute (h2h)**: for each seed, grpo.py runs first for the scale's steps; its generated tokens are the
   budget. The others run with `--token-budget` = that budget (and a step cap 10x GRPO's steps, so that the budget
-  ends them); a run stops after the step that reaches the budget, so it can overshoot by one step's tokens ("vs
-  budget"). Offline DPO spends the budget once, sampling its pairs from the reference model, then trains for GRPO's
+  ends them; a linear or cosine learning rate decays over the budget, not the cap); a run stops after the step that
+  reaches the budget, so it can overshoot by one step's tokens ("vs budget"). Offline DPO spends the budget once, sampling its pairs from the reference model, then trains for GRPO's
   number of steps.
 - **nmse** (measure.baseline_error, against K fresh rollouts from the prompt and from states drawn uniformly inside
   each measured completion, token-weighted): the baseline's noise-corrected MSE against the true value over the

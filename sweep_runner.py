@@ -393,12 +393,18 @@ def refusal(o: Options) -> str:
     try:
         p = json.loads((o.out / "preflight.json").read_text())
         half = p["predicted"].get("half_width_3_seeds")
-        numbers = (
-            f"GRPO's nmse at the prompt +- {'n/a' if half is None else f'{half:.3f}'} over 3 seeds (predicted), "
-            f"wider than the smallest effect {p['smallest_effect']:g} (informative share {p['informative']:.2f}: "
-            f"{p['informative_prompts']} of {p['prompts']} prompts x {p['samples_per_prompt']} with 0 < p < 1; "
-            f"pass rate {p['pass_rate']:.3f}, outcome variance {p['signal']:.4f})"
+        counts = (
+            f"informative share {p['informative']:.2f}: {p['informative_prompts']} of {p['prompts']} prompts x "
+            f"{p['samples_per_prompt']} with 0 < p < 1; pass rate {p['pass_rate']:.3f}, outcome variance "
+            f"{p['signal']:.4f}"
         )
+        if half is None:
+            numbers = f"no standard error to predict ({counts})"
+        else:
+            numbers = (
+                f"GRPO's nmse at the prompt +- {half:.3f} over 3 seeds (predicted), wider than the smallest effect "
+                f"{p['smallest_effect']:g} ({counts})"
+            )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         numbers = "too little signal"
     return (

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,6 +203,44 @@ def test_the_predicted_half_width_is_the_median_of_the_reports_3_seed_interval()
     assert predicted == pytest.approx(4.303 * math.sqrt(math.log(2)) / math.sqrt(3) * se, rel=1e-3)  # chi2(2): 2 ln 2
 
 
+def _told_apart(pass_rate: float, delta: float, studies: int, seed: int) -> tuple[float, float]:
+    """3-seed studies of the study's plan (608 prompt states a run, K = G = 8): GRPO's leave-one-out mean against a
+    critic whose nmse at the prompt is 1/(G-1) - delta (its error Normal, independent of the outcome). Returns the
+    share of studies whose "less GRPO's" interval at the prompt (intervals.ratio_difference_interval, paired by
+    seed) lies below 0, and the median half-width of GRPO's own 3-seed interval there."""
+    G, K, m, S = 8, 8, 608, 3
+    g = torch.Generator().manual_seed(seed)
+    p = _prompt_values(studies * S * 2 * m, pass_rate, g).view(studies, S, 2, m)  # [studies, seed, GRPO|critic, m]
+    returns = (torch.rand(studies, S, 2, m, K, generator=g, dtype=torch.float64) < p[..., None]).double()
+    p_hat, s2 = returns.mean(-1), returns.var(-1)
+    loo = (torch.rand(studies, S, m, G - 1, generator=g, dtype=torch.float64) < p[:, :, 0, :, None]).double().mean(-1)
+    sigma = math.sqrt((1 / (G - 1) - delta) * (p * (1 - p)).mean().item())
+    critic = p[:, :, 1] + sigma * torch.randn(studies, S, m, generator=g, dtype=torch.float64)
+    num = torch.stack([((b - p_hat[:, :, i]) ** 2 - s2[:, :, i] / K).sum(-1) for i, b in enumerate((loo, critic))])
+    den = s2.sum(-1).movedim(2, 0)  # [2, studies, S]
+    told, halves = 0, []
+    for i in range(studies):
+        _, _, hi = intervals.ratio_difference_interval(num[1, i].tolist(), den[1, i].tolist(), num[0, i].tolist(),
+                                                       den[0, i].tolist())  # fmt: skip
+        told += hi < 0
+        _, lo, top = intervals.ratio_interval(num[0, i].tolist(), den[0, i].tolist())
+        halves.append((top - lo) / 2)
+    return told / studies, torch.tensor(halves).median().item()
+
+
+def test_the_default_smallest_effect_tells_apart_what_the_docs_say():
+    """docs/measurement.md's justification of --smallest-effect 0.05: where GRPO's 3-seed half-width at the prompt is
+    at most 0.05 (an informative share of ~0.5 here), a critic 0.10 below GRPO's 1/(G-1) is told apart in ~90% of
+    3-seed studies and one 0.05 below in ~40%; at a share of ~0.26 the half-width reads ~0.058 and they fall to
+    ~77% and ~30%."""
+    power, half = _told_apart(0.3, 0.10, 600, 1)
+    assert half <= preflight.SMALLEST_EFFECT and power >= 0.85, (power, half)
+    power, _ = _told_apart(0.3, 0.05, 600, 2)
+    assert 0.33 <= power <= 0.52, power
+    power, half = _told_apart(0.05, 0.10, 600, 3)
+    assert half > preflight.SMALLEST_EFFECT and power < 0.85, (power, half)
+
+
 def test_the_measurement_plan_counts_what_the_report_pools():
     args = {"mc_every": 10, "total_steps": 200, "mc_prompts": 32, "mc_states": 2}
     plan = preflight.measurement_plan(args, [100] * 8)
@@ -271,9 +310,19 @@ def test_gsm8k_on_the_tiny_model_is_refused_and_a_sweep_stops_before_any_run_fol
     assert "(reused from" in proc.stdout
     refusal = [line for line in proc.stderr.splitlines() if line.startswith("sweep: not started")]
     assert len(refusal) == 1 and "informative share 0.00" in refusal[0] and "0 of 4 prompts" in refusal[0]
-    assert "+- n/a over 3 seeds" in refusal[0]
+    assert "no standard error to predict" in refusal[0]
     assert "--force" in refusal[0]
     assert sorted(x.name for x in tmp_path.iterdir()) == [".lock", "preflight.json"]  # no run, no plan, no log
+
+
+def test_the_sweeps_refusal_names_the_half_width_and_the_smallest_effect(tmp_path):
+    """The one line that stops a sweep: the predicted half-width against the smallest effect, and the counts."""
+    p = {"informative": 0.26, "informative_prompts": 66, "prompts": 256, "samples_per_prompt": 8, "pass_rate": 0.05,
+         "signal": 0.03, "smallest_effect": 0.05, "predicted": {"half_width_3_seeds": 0.058}}  # fmt: skip
+    (tmp_path / "preflight.json").write_text(json.dumps(p))
+    line = sweep_runner.refusal(SimpleNamespace(out=tmp_path))
+    assert "+- 0.058 over 3 seeds (predicted), wider than the smallest effect 0.05" in line
+    assert "informative share 0.26: 66 of 256 prompts x 8" in line and "--force" in line
 
 
 def test_the_dry_run_shows_the_preflight_as_the_sweep_builds_it(tmp_path):
