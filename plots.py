@@ -106,12 +106,15 @@ def informative(rs: list[dict[str, Any]], part: str) -> float:
 
 
 def few_states_note(ax: Any, x: float, y: float, n: float, what: str) -> None:
-    """Beside a point resting on fewer than FEW_STATES informative prompts: how many (each note of an axis a line
-    above the last, so that points at one place keep theirs apart)."""
-    if n < FEW_STATES:
-        k = len(ax.texts)
-        ax.annotate(f"{n:.0f} {what}", (x, y), textcoords="offset points", xytext=(6, 6 + 9 * k), fontsize=7,
-                    color="grey")  # fmt: skip
+    """Beside a point resting on fewer than FEW_STATES informative prompts: how many. Each note of an axis a line
+    above the last; points close together that read the same count at the same accuracy (critics on one another)
+    share one note."""
+    if n >= FEW_STATES:
+        return
+    text = f"{n:.0f} informative {what}{'' if round(n) == 1 else 's'}"
+    if any(t.get_text() == text and t.xy[1] == y and abs(t.xy[0] - x) <= 0.15 * max(1.0, abs(x)) for t in ax.texts):
+        return
+    ax.annotate(text, (x, y), textcoords="offset points", xytext=(6, 6 + 9 * len(ax.texts)), fontsize=7, color="grey")
 
 
 def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path, note: str = "") -> str:
@@ -146,7 +149,7 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path, note: str =
             reach(x, xerr)
             label = f"PPO, critic {run.removeprefix('ppo-')}"
             hollow |= point(ax, x, y, xerr, yerr, fmt="o", color=colour(run), label=label)
-            few_states_note(ax, x, y, informative(rs, "sums"), "informative prompts")
+            few_states_note(ax, x, y, informative(rs, "sums"), "prompt")
         g = grpo[0]["args"].get("group_size") if grpo else None
         if grpo:
             x, xerr = pooled_over_seeds(grpo, key)
@@ -158,14 +161,14 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path, note: str =
                 label = f"GRPO, group of G={g or '?'}, measured (leave-one-out), token-weighted states"
                 hollow |= point(ax, x, y, xerr, yerr, fmt="*", ms=12, color=colour("grpo-group"),
                                 label=label)  # fmt: skip
-                few_states_note(ax, x, y, informative(grpo, "sums"), "informative prompts")
+                few_states_note(ax, x, y, informative(grpo, "sums"), "prompt")
             if key == "nmse":  # the prompt states alone: where its expected value is 1/(G-1)
                 xp, xperr = pooled_over_seeds(grpo, "nmse_prompt")
                 if finite(xp):
                     reach(xp, xperr)
                     hollow |= point(ax, xp, y, xperr, yerr, fmt="D", ms=7, color=colour("grpo-group"),
                                     label="GRPO at the prompt states (where 1/(G-1) holds)")  # fmt: skip
-                    few_states_note(ax, xp, y, informative(grpo, "prompt_sums"), "informative prompt states")
+                    few_states_note(ax, xp, y, informative(grpo, "prompt_sums"), "prompt state")
         if isinstance(g, int) and g > 1 and key == "nmse":
             ax.axvline(
                 1 / (g - 1), color=colour("grpo-group"), ls=":", lw=1,
@@ -252,7 +255,7 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path, note: str = ""
                 under = drawn.setdefault(key, [])  # the runs already drawn with these very points
                 same = f" (same as {under[0]})" if under else ""
                 marker, style = STYLES[n_run % len(STYLES)]
-                ax.plot(xs, [scale * m for m in ms], marker=marker, ms=3 + 3 * len(under), ls=style,
+                ax.plot(xs, [scale * m for m in ms], marker=marker, ms=3 + 2 * min(len(under), 4), ls=style,
                         mfc="none" if under else None, color=colour(run.split(" ")[0]), label=run + same)  # fmt: skip
                 under.append(run)  # each one drawn over another: a larger ring
                 if len(rs) > 1:
@@ -267,8 +270,7 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path, note: str = ""
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             if i == 0:
-                title = {"critic": "critic sweep", "h2h": "head-to-head (matched tokens)"}.get(exp, exp)
-                ax.set_title(titled(title, note), fontsize=9 if note else None)
+                ax.set_title({"critic": "critic sweep", "h2h": "head-to-head (matched tokens)"}.get(exp, exp))
                 if ax.get_legend_handles_labels()[0]:  # no curve drawn (no metric logged): no legend
                     ax.legend(fontsize=7, loc="best")
     if note:

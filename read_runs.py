@@ -41,14 +41,21 @@ ERROR_COLUMNS = [
     "bias",
     "rmse",
     "explained_variance",
+    "informative_any",
     "informative_share",
 ]
 
 
-def error_columns(pooled: dict[str, float]) -> dict[str, float]:
-    """ERROR_COLUMNS from measure.pool_baseline_errors' ratios; its signal_fraction is the informative share (of
-    measured prompts whose K 0/1 scores are not all equal), named so in the report as in the preflight."""
-    named = {**pooled, "informative_share": pooled.get("signal_fraction", float("nan"))}
+def error_columns(pooled: dict[str, float], prompt: dict[str, float] | None = None) -> dict[str, float]:
+    """ERROR_COLUMNS from measure.pool_baseline_errors' ratios over every state (pooled) and over the prompt states
+    (prompt). Its signal_fraction is a share of measured prompts whose K 0/1 scores are not all equal: over the
+    prompt states, the informative share (as the preflight measures it, and named so); over every state, a prompt
+    with any such state (informative_any: the states inside are more often decided, so it differs)."""
+    named = {
+        **pooled,
+        "informative_any": pooled.get("signal_fraction", float("nan")),
+        "informative_share": (prompt or {}).get("signal_fraction", float("nan")),
+    }
     return {key: named.get(key, float("nan")) for key in ERROR_COLUMNS}
 
 
@@ -102,11 +109,11 @@ def mc_summary(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
         meas = meas[1:]
     per_measurement = [measurement_sums(r, name) for r in meas]
     pooled = measure.pool_baseline_errors(per_measurement)
-    out: dict[str, Any] = error_columns(pooled)
-    out["sums"] = {k: v for k, v in pooled.items() if k in measure.POOLED_SUMS}
-    out["per_measurement"] = per_measurement
     prompt = [measurement_sums(r, f"{name}_prompt") for r in meas]
     prompt = [m for m in prompt if m] if all(prompt) else []  # every measurement has it, or none counts
+    out: dict[str, Any] = error_columns(pooled, measure.pool_baseline_errors(prompt))
+    out["sums"] = {k: v for k, v in pooled.items() if k in measure.POOLED_SUMS}
+    out["per_measurement"] = per_measurement
     out["prompt_per_measurement"] = prompt
     out["prompt_sums"] = {k: v for k, v in measure.pool_baseline_errors(prompt).items() if k in measure.POOLED_SUMS}
     out["nmse_prompt"] = measure.pool_baseline_errors(prompt).get("nmse", float("nan"))

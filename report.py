@@ -84,8 +84,8 @@ The definitions, with their formulas: docs/measurement.md.
 - **matched compute (h2h)**: for each seed, grpo.py runs first for the scale's steps; its generated tokens are the
   budget. The others run with `--token-budget` = that budget (and a step cap 10x GRPO's steps, so that the budget
   ends them; a linear or cosine learning rate decays over the budget, not the cap); a run stops after the step that
-  reaches the budget, so it can overshoot by one step's tokens ("vs budget"). Offline DPO spends the budget once, sampling its pairs from the reference model, then trains for GRPO's
-  number of steps.
+  reaches the budget, so it can overshoot by one step's tokens ("vs budget"). Offline DPO spends the budget once,
+  sampling its pairs from the reference model, then trains for GRPO's number of steps.
 - **nmse** (measure.baseline_error, against K fresh rollouts from the prompt and from states drawn uniformly inside
   each measured completion, token-weighted): the baseline's noise-corrected MSE against the true value over the
   outcome variance there, E[p(1-p)] of the 0/1 score: the share by which the baseline inflates Var(R - b) over a
@@ -97,7 +97,8 @@ The definitions, with their formulas: docs/measurement.md.
   GRPO's (the experiment's grpo-group, else the head-to-head's), below 0 where it is the better, with the interval
   of that difference (intervals.ratio_difference_interval, paired by seed). **nmse centred**: after removing the
   mean error (what whitening removes). **within**: after removing each prompt's mean error. **informative share**:
-  the share of measured prompts whose K 0/1 scores differ (0 < p < 1: where a baseline can matter at all).
+  the share of measured prompt states whose K 0/1 scores differ (0 < p < 1: where a baseline can matter at all),
+  as the preflight measures it (informative_any in the CSVs: a prompt with any such state, inside ones too).
 - Every nmse is pooled as sums over a run's measurements after the first (the untrained critic) and over seeds,
   never averaged as roots or ratios; its interval is centred on that pooled value (intervals.ratio_interval, the
   seeds as units; one seed (†): its measurements). With 3 seeds it covered 95% in simulation with a moderate seed
@@ -160,7 +161,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for part in FLOPS_PARTS:
             row[f"flops_{part}"] = mean([r["flops"][part] for r in rs])
         pooled = measure.pool_baseline_errors([r["mc"]["sums"] for r in rs])  # sums over seeds, then the ratios
-        row.update(error_columns(pooled))
+        row.update(error_columns(pooled, measure.pool_baseline_errors([r["mc"]["prompt_sums"] for r in rs])))
         for key in NMSE_SUMS:  # centred on the pooled value printed
             x, lo, hi, units = nmse_interval(rs, key)
             row[key], row[f"{key}_low"], row[f"{key}_high"] = x, lo, hi

@@ -321,3 +321,21 @@ def test_curves_that_lie_on_one_another_are_told_apart(tmp_path):
     assert len(lines) == 2
     assert len({(line.get_marker(), line.get_linestyle()) for line in lines}) == 2
     assert any("same as ppo-small" in line.get_label() for line in lines), [x.get_label() for x in lines]
+
+
+def test_the_informative_share_is_read_at_the_prompt_states_as_the_preflight_reads_it(tmp_path):
+    """The table's informative share and the warning count the same states as the preflight: the prompt states
+    (a share of 0 of 2 prompt states beside a column reading 1.00 over every state told a reader two things)."""
+    runs = _sweep(tmp_path)
+    rs = [r for r in runs if r["run"] == "ppo-small"]
+    prompt = measure.pool_baseline_errors(
+        [read_runs.measurement_sums(row, "value_prompt") for r in rs for row in r["rows"][1:3]]
+    )
+    row = {r["run"]: r for r in report.summarize(runs)}["ppo-small"]
+    assert row["informative_share"] == pytest.approx(prompt["signal_groups"] / prompt["groups"])
+    assert row["informative_any"] == pytest.approx(
+        sum(r["mc"]["sums"]["signal_groups"] for r in rs) / sum(r["mc"]["sums"]["groups"] for r in rs)
+    )
+    assert rs[0]["mc"]["informative_share"] == pytest.approx(
+        rs[0]["mc"]["prompt_sums"]["signal_groups"] / rs[0]["mc"]["prompt_sums"]["groups"]
+    )
