@@ -58,7 +58,7 @@ from read_runs import (
 NEW_COLUMNS = {
     "nmse": "baseline error (nmse, nmse_centred, within_nmse, ...)",
     "paired": "paired difference vs GRPO",
-    "update_flops": "update FLOPs estimate",
+    "update_flops": "FLOPs estimate",
 }
 
 DEFINITIONS = """\
@@ -385,7 +385,7 @@ def old_run_columns(runs: list[dict[str, Any]]) -> str:
             missing.setdefault(NEW_COLUMNS["nmse"], []).append(name)
         if r["correct"] is None:
             missing.setdefault(NEW_COLUMNS["paired"], []).append(name)
-        if not finite(r["update_flops"]) and r["method"] in ("ppo", "grpo"):  # dpo.py does not record it
+        if not finite(r["flops"]["total"]):  # the tokens and parameters read_runs.flops_estimate needs
             missing.setdefault(NEW_COLUMNS["update_flops"], []).append(name)
     if not missing:
         return ""
@@ -402,6 +402,9 @@ def preflight_lines(out: Path) -> list[str]:
         return ["", "Preflight: none in this folder (`./sweep.sh --preflight` measures the model's signal first)."]
     try:
         p = json.loads(path.read_text())
+        if isinstance(p, dict) and "passed" in p and "smallest_effect" not in p:
+            return ["", f"Preflight: {path} was written by an older preflight (an informative-share threshold, no "
+                    "standard error over states); `./sweep.sh --preflight` writes it anew."]  # fmt: skip
         st, pr, effect = p["settings"], p["predicted"], float(p["smallest_effect"])
         bounds = pr.get("bounds") or []
 
