@@ -186,20 +186,48 @@ def dpo_loss(
     raise ValueError(f"unknown DPO loss {kind!r}")
 
 
-def lr_schedule(schedule: str, warmup: int, total: int) -> Callable[[int], float]:
-    """The learning-rate multiplier as a function of the optimiser step, for LambdaLR: the choice checked once."""
+class BudgetProgress:
+    """The share of a token budget spent at each optimiser step: the length of a schedule that follows the budget.
+
+    A run that stops on --token-budget (the head-to-head's, under a step cap of 10x GRPO's steps) does not know its
+    steps in advance. Its decay reads the budget instead: at optimiser step k of the training step whose rollouts
+    brought the tokens spent from `before` to `before + this`, and whose first optimiser step is `first`, the share
+    is (before + this (k - first) / per_step) / budget. With the same tokens every step this is the step schedule of
+    the steps the budget takes (tests/test_losses.py). The trainer calls start_step before each update."""
+
+    def __init__(self, budget: int, per_step: int) -> None:
+        self.budget, self.per_step = float(budget), max(1, per_step)
+        self.before = self.this = 0.0
+        self.first = 0
+
+    def start_step(self, before: float, this: float, first: int) -> None:
+        self.before, self.this, self.first = float(before), float(this), int(first)
+
+    def __call__(self, step: int) -> float:
+        done = min(1.0, max(0.0, (step - self.first) / self.per_step))
+        return (self.before + self.this * done) / self.budget
+
+
+def lr_schedule(
+    schedule: str, warmup: int, total: int, progress: Callable[[int], float] | None = None
+) -> Callable[[int], float]:
+    """The learning-rate multiplier as a function of the optimiser step, for LambdaLR: the choice checked once.
+    progress (a BudgetProgress): the decay reads the share of the budget spent instead of the step over total."""
     if schedule not in ("constant", "linear", "cosine"):
         raise errors.UserError(f"unknown --lr-schedule {schedule!r}: use constant, linear or cosine")
-    return lambda step: lr_factor(step, warmup, total, schedule)
+    if progress is None:
+        return lambda step: lr_factor(step, warmup, total, schedule)
+    return lambda step: lr_factor(step, warmup, total, schedule, progress(step))
 
 
-def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
-    """The learning-rate multiplier at an optimiser step: linear warmup, then constant, linear or cosine decay."""
+def lr_factor(step: int, warmup: int, total: int, schedule: str, frac: float | None = None) -> float:
+    """The learning-rate multiplier at an optimiser step: linear warmup, then constant, linear or cosine decay over
+    the steps after warmup, or over frac, the share of the run done, where the caller knows it (a token budget)."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
         return 1.0
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    frac = min(1.0, (step - warmup) / max(1, total - warmup) if frac is None else frac)
     if schedule == "linear":
         return 1.0 - frac
     return 0.5 * (1.0 + math.cos(math.pi * frac))  # cosine (lr_schedule checked the name)

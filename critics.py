@@ -5,19 +5,20 @@ detached by default so the value loss cannot move the policy) and gives one valu
 `full` is a separate copy of the policy's transformer with a linear value head: the standard critic of
 TRL, OpenRLHF and verl, and the far end of the sweep.
 
-Shapes and trainable parameters (H = hidden size; SmolLM2-135M has H = 576, the tiny test model H = 64):
+Shapes and trainable parameters (H = hidden size: Qwen2.5-0.5B, the study's model, H = 896; the packaged
+SmolLM2-135M H = 576; the tiny test model H = 64). A head of width n has (H + 2) n + 1 parameters:
 
-| name   | shape                               | parameters, H = 576 | H = 64  |
-|--------|-------------------------------------|---------------------|---------|
-| none   | no critic: REINFORCE, batch mean    | 0                   | 0       |
-| small  | MLP H -> 64 -> 1 (two layers)       | 36,993              | 4,225   |
-| medium | MLP H -> 512 -> 1 (two layers)      | 295,937             | 33,793  |
-| large  | MLP H -> 1024 -> 1 (two layers)     | 591,873             | 67,585  |
-| full   | a copy of the policy trunk + H -> 1 | 134,515,585         | 3,219,841 |
+| name   | shape                               | H = 896     | H = 576     | H = 64    |
+|--------|-------------------------------------|-------------|-------------|-----------|
+| none   | no critic: REINFORCE, batch mean    | 0           | 0           | 0         |
+| small  | MLP H -> 64 -> 1 (two layers)       | 57,473      | 36,993      | 4,225     |
+| medium | MLP H -> 512 -> 1 (two layers)      | 459,777     | 295,937     | 33,793    |
+| large  | MLP H -> 1024 -> 1 (two layers)     | 919,553     | 591,873     | 67,585    |
+| full   | a copy of the policy trunk + H -> 1 | 494,033,665 | 134,515,585 | 3,219,841 |
 
-small < medium < large strictly, and large is twice medium (width doubled at the same depth): every step up
-in the sweep is a step up in capacity. The last layer of every head starts at zero, so the first values are 0
-(the N implementation details of RLHF with PPO, Huang et al. 2022).
+small < medium < large strictly; large has twice medium's width at the same depth, so 2 x medium - 1 parameters
+(591,873 = 2 x 295,937 - 1): every step up in the sweep is a step up in capacity. The last layer of every head
+starts at zero, so the first values are 0 (the N implementation details of RLHF with PPO, Huang et al. 2022).
 """
 
 from __future__ import annotations

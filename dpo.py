@@ -236,7 +236,9 @@ def main() -> None:
     groups = [{"params": list(policy.parameters()), "lr": args.lr}]
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
     guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
-    lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps)
+    per_step = args.update_epochs  # optimiser steps a training step
+    budget = common.BudgetProgress(args.token_budget, per_step) if args.token_budget and args.online else None
+    lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps, budget)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     online = "online" if args.online else "offline"
     banner = {
@@ -412,6 +414,7 @@ def main() -> None:
             )
         if dist_.main:
             print(f"offline pairs: {len(pair_set)} in {pairs_path}", flush=True)
+    offline_reference_tokens = sum(len(p["chosen"] + p["rejected"]) for p in pair_set)  # each cached pair scored once
     sampler = gsm8k.PromptSampler(len(pair_set) if not args.online else len(splits["train"]), args.seed)
     if args.resume:
         sampler.load_state_dict(state["sampler"])  # where the checkpoint left it
@@ -453,10 +456,15 @@ def main() -> None:
         if args.online:
             reference_logps(pairs)
         weights = torch.tensor([p.get("weight", 1.0) for p in pairs], device=device)  # [N]
+        # the tokens the update trains (each real pair's chosen and rejected) and, online, the reference scored
+        sums["pair_tokens"] = float(sum(len(p["chosen"]) + len(p["rejected"]) for p in pairs if p.get("weight", 1.0)))
         ref_c = torch.tensor([p["ref_chosen"] for p in pairs], device=device)  # [N]
         ref_r = torch.tensor([p["ref_rejected"] for p in pairs], device=device)  # [N]
 
         # --- 4. update: update_epochs optimiser steps over the step's pairs ----------------------------------
+        if budget is not None:  # online: the schedule follows the token budget: this step's sampled tokens, all ranks
+            spent = distributed.all_reduce_sum(torch.as_tensor(sums["sampled/response_len"]).double()).item()
+            budget.start_step(counters["generated_tokens"], spent, scheduler.last_epoch)
         t_update = time.time()
         N = len(pairs)
         for _epoch in range(args.update_epochs):
@@ -497,6 +505,9 @@ def main() -> None:
         total = distributed.all_reduce_sums(sums)
         n_pairs = total.get("weight", 0.0)  # 0 when no prompt of an online step yielded a pair: logged as null
         counters["step"] = step + 1
+        counters["trained_tokens"] = counters.get("trained_tokens", 0) + int(total["pair_tokens"]) * args.update_epochs
+        if args.online:  # offline, the reference scored every cached pair once, before step 1 (results.json)
+            counters["reference_tokens"] = counters.get("reference_tokens", 0) + int(total["pair_tokens"])
         keys = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
         metrics.update({k: total[k] / n_pairs if n_pairs else float("nan") for k in keys})
         metrics.update(
@@ -553,7 +564,11 @@ def main() -> None:
     # ALGO LOGIC: what results.json says of the method: its variant, and its own counts
     # ==================================================================================================
     variant = f"{args.pairs}-{online}"
-    own: dict = {}  # none beyond the shared ones
+    own = {  # what compute it took (report.py's FLOPs): the pair tokens trained, and those the reference scored
+        "trained_tokens": counters.get("trained_tokens", 0),
+        "reference_tokens": counters.get("reference_tokens", 0) + offline_reference_tokens,
+        "policy_params": distributed.count_params(policy),
+    }
 
     # ==================================================================================================
     # TRY NOT TO MODIFY: the end: a checkpoint, the validation and test accuracy, results.json

@@ -47,23 +47,77 @@ def colour(run: str) -> str:
     return COLOURS.get(run, "#555555")
 
 
+# a point of the crossover resting on fewer informative prompts says how many beside it: at 100 informative prompt
+# states (p = 0.5, K = G = 8) GRPO's nmse at the prompt has a standard error of ~0.04 (preflight.predicted_se), near
+# the smallest effect the preflight asks for (0.05); below, a point's place says little
+FEW_STATES = 100
+NOT_A_RESULT = "not a result"
+
+
 def seed_stats(values: list[float]) -> tuple[float, float]:
-    """Mean over seeds and the half-width of intervals.mean_interval (0 for one seed)."""
+    """Mean over seeds and the half-width of intervals.mean_interval: nan where there is none (one seed, or seeds
+    that agree), never 0, which would draw a bar of zero width that reads as certain."""
     values = [v for v in values if finite(v)]
     if not values:
-        return float("nan"), 0.0
+        return float("nan"), float("nan")
     m, lo, hi = intervals.mean_interval(values)
-    return m, (hi - lo) / 2 if finite(lo) else 0.0  # one seed, or seeds that agree: no bar
+    return m, (hi - lo) / 2 if finite(lo) else float("nan")
 
 
 def pooled_over_seeds(rs: list[dict[str, Any]], key: str) -> tuple[float, float]:
     """A baseline-error ratio pooled over the seeds' sums, and the half-width of its interval (nmse_interval,
-    centred on it; 0 where there is none)."""
+    centred on it; nan where there is none)."""
     x, lo, hi, _ = nmse_interval(rs, key)
-    return x, (hi - lo) / 2 if finite(lo) else 0.0
+    return x, (hi - lo) / 2 if finite(lo) else float("nan")
 
 
-def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
+def titled(title: str, note: str) -> str:
+    """A figure's title, led by why it is no result where it is none (report.toy_reason: the tiny model, the toy
+    task, a refused preflight)."""
+    return f"{note}: {NOT_A_RESULT}\n{title}" if note else title
+
+
+def point(ax: Any, x: float, y: float, xerr: float, yerr: float | tuple[float, float], **kw: Any) -> bool:
+    """One point with its intervals (yerr a half-width, or the distances down and up of an interval that is not
+    symmetric: Wilson's); where either is missing (nan) the marker is hollow and that bar is not drawn (never a bar
+    of zero width). Returns whether it was drawn hollow."""
+    ys = yerr if isinstance(yerr, tuple) else (yerr, yerr)
+    has_x, has_y = finite(xerr), all(finite(v) for v in ys)
+    if not (has_x and has_y):
+        kw = {**kw, "mfc": "none"}
+    ax.errorbar(
+        x, y, xerr=xerr if has_x else None, yerr=[[ys[0]], [ys[1]]] if has_y else None, capsize=3, **kw
+    )  # fmt: skip
+    return not (has_x and has_y)
+
+
+def accuracy(rs: list[dict[str, Any]]) -> tuple[float, float | tuple[float, float]]:
+    """Mean test accuracy over seeds (%) and its interval for point(): over seeds (seed_stats), or one seed's own
+    Wilson interval, which is not symmetric about its value."""
+    y, half = seed_stats([r["test_accuracy"] for r in rs])
+    if len(rs) == 1:
+        return 100 * y, (100 * (y - rs[0]["test_ci_low"]), 100 * (rs[0]["test_ci_high"] - y))
+    return 100 * y, 100 * half
+
+
+def informative(rs: list[dict[str, Any]], part: str) -> float:
+    """The informative prompts (their K 0/1 scores not all equal) a pooled nmse rests on, over rs's seeds."""
+    return sum(float(r["mc"].get(part, {}).get("signal_groups", 0.0)) for r in rs)
+
+
+def few_states_note(ax: Any, x: float, y: float, n: float, what: str) -> None:
+    """Beside a point resting on fewer than FEW_STATES informative prompts: how many. Each note of an axis a line
+    above the last; points close together that read the same count at the same accuracy (critics on one another)
+    share one note."""
+    if n >= FEW_STATES:
+        return
+    text = f"{n:.0f} informative {what}{'' if round(n) == 1 else 's'}"
+    if any(t.get_text() == text and t.xy[1] == y and abs(t.xy[0] - x) <= 0.15 * max(1.0, abs(x)) for t in ax.texts):
+        return
+    ax.annotate(text, (x, y), textcoords="offset points", xytext=(6, 6 + 9 * len(ax.texts)), fontsize=7, color="grey")
+
+
+def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path, note: str = "") -> str:
     """Final test accuracy against the baseline's nmse (left) and nmse centred (right): one point per PPO critic,
     GRPO's leave-one-out mean as a star with its interval at its measured value. Returns the caption."""
     source = "h2h" if any(r["experiment"] == "h2h" and r["method"] == "ppo" for r in runs) else "critic"
@@ -74,45 +128,47 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
         ("nmse", "nmse = baseline MSE / E[p(1-p)]"),
         ("nmse_centred", "nmse centred (mean error removed)"),
     ]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.8), sharey=True)
+    hollow = False
     for ax, (key, xlabel) in zip(axes, panels):
         by_run: dict[str, list[dict[str, Any]]] = {}
         for r in ppo:
             by_run.setdefault(r["run"], []).append(r)
         left, right = 0.0, 0.0
+
+        def reach(x: float, xerr: float) -> None:
+            nonlocal left, right
+            half = xerr if finite(xerr) else 0.0
+            left, right = min(left, x - half), max(right, x + half)
+
         for run, rs in sorted(by_run.items(), key=lambda kv: sort_key(source, kv[0])):
             x, xerr = pooled_over_seeds(rs, key)
-            y, yerr = seed_stats([r["test_accuracy"] for r in rs])
-            if len(rs) == 1:  # one seed: the run's own interval
-                yerr = (rs[0]["test_ci_high"] - rs[0]["test_ci_low"]) / 2
+            y, yerr = accuracy(rs)
             if not finite(x):
                 continue
-            left, right = min(left, x - xerr), max(right, x + xerr)
+            reach(x, xerr)
             label = f"PPO, critic {run.removeprefix('ppo-')}"
-            ax.errorbar(x, 100 * y, xerr=xerr, yerr=100 * yerr, fmt="o", color=colour(run), capsize=3, label=label)
+            hollow |= point(ax, x, y, xerr, yerr, fmt="o", color=colour(run), label=label)
+            few_states_note(ax, x, y, informative(rs, "sums"), "prompt")
         g = grpo[0]["args"].get("group_size") if grpo else None
         if grpo:
             x, xerr = pooled_over_seeds(grpo, key)
-            y, yerr = seed_stats([r["test_accuracy"] for r in grpo])
-            if len(grpo) == 1:
-                yerr = (grpo[0]["test_ci_high"] - grpo[0]["test_ci_low"]) / 2
+            y, yerr = accuracy(grpo)
             if finite(x):
-                left, right = min(left, x - xerr), max(right, x + xerr)
-                if xerr > 0:
+                reach(x, xerr)
+                if finite(xerr):
                     ax.axvspan(x - xerr, x + xerr, color=colour("grpo-group"), alpha=0.12, lw=0)
                 label = f"GRPO, group of G={g or '?'}, measured (leave-one-out), token-weighted states"
-                ax.errorbar(
-                    x, 100 * y, xerr=xerr, yerr=100 * yerr, fmt="*", ms=12, color=colour("grpo-group"), capsize=3,
-                    label=label,
-                )  # fmt: skip
+                hollow |= point(ax, x, y, xerr, yerr, fmt="*", ms=12, color=colour("grpo-group"),
+                                label=label)  # fmt: skip
+                few_states_note(ax, x, y, informative(grpo, "sums"), "prompt")
             if key == "nmse":  # the prompt states alone: where its expected value is 1/(G-1)
                 xp, xperr = pooled_over_seeds(grpo, "nmse_prompt")
                 if finite(xp):
-                    left, right = min(left, xp - xperr), max(right, xp + xperr)
-                    ax.errorbar(
-                        xp, 100 * y, xerr=xperr, fmt="*", ms=12, mfc="none", color=colour("grpo-group"), capsize=3,
-                        label="GRPO at the prompt states (where 1/(G-1) holds)",
-                    )  # fmt: skip
+                    reach(xp, xperr)
+                    hollow |= point(ax, xp, y, xperr, yerr, fmt="D", ms=7, color=colour("grpo-group"),
+                                    label="GRPO at the prompt states (where 1/(G-1) holds)")  # fmt: skip
+                    few_states_note(ax, xp, y, informative(grpo, "prompt_sums"), "prompt state")
         if isinstance(g, int) and g > 1 and key == "nmse":
             ax.axvline(
                 1 / (g - 1), color=colour("grpo-group"), ls=":", lw=1,
@@ -126,29 +182,41 @@ def plot_crossover(plt: Any, runs: list[dict[str, Any]], path: Path) -> str:
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 2), fontsize=7, frameon=False)
     axes[0].set_ylabel("final test accuracy (%)")
     caption = (
         f"PPO critics from the {'head-to-head (matched tokens)' if source == 'h2h' else 'critic sweep (matched steps)'}"
         " runs. x: the baseline's noise-corrected MSE at token-weighted states over the reward's own variance"
         " there (0: a perfect baseline; below 0 only by the noise correction), pooled over measurements and seeds,"
         " with its 95% interval over seeds (over measurements for one seed); y: mean test accuracy over seeds with"
-        " its 95% interval. GRPO's filled star is its measured value at the same states; its open star is its value"
+        " its 95% interval. GRPO's star is its measured value at the same states; its diamond is its value"
         " at the prompt states alone, where its leave-one-out mean of G reads 1/(G-1) (the dotted line) whatever"
         " the success rate. Inside a completion its one constant cannot follow V(s_t) and reads more, (1/(G-1) + d)"
-        " / (1 - d) with d the share of the outcome's variance already resolved: left of the filled star a critic"
+        " / (1 - d) with d the share of the outcome's variance already resolved: left of the star a critic"
         " tracks the value better than the group does (less wrong, not less noisy). Less noisy is read at the prompt"
-        " states: the table's \"nmse at prompt\" of a critic against GRPO's."
+        ' states: the table\'s "nmse at prompt" of a critic against GRPO\'s (and its "less GRPO\'s" interval).'
+        f" A point resting on fewer than {FEW_STATES} informative prompts says how many beside it."
     )
-    fig.suptitle("Is the critic worth having? Accuracy against the baseline's scaled error", fontsize=11)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    if hollow:
+        caption += (
+            " A hollow marker has no interval on at least one axis (one unit, or units that agree exactly): that bar"
+            " is left out, never drawn at zero width, and the point's place is not known to be exact."
+        )
+    title = "Is the critic worth having? Accuracy against the baseline's scaled error"
+    fig.suptitle(titled(title, note), fontsize=11)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return caption
 
 
-def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
-    """Validation accuracy (top) and training reward (bottom) per experiment, mean over seeds with a band."""
+STYLES = [("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (5, 1))), ("P", (0, (1, 1))), ("X", "-")]
+
+
+def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path, note: str = "") -> None:
+    """Validation accuracy (top) and training reward (bottom) per experiment, mean over seeds with a band. Each run
+    has its own marker and line style, and a curve drawn exactly over an earlier one says so in the legend ("same
+    as ..."): the smoke sweep's critics all read 50% and would show as one."""
     experiments = [e for e in EXPERIMENTS if any(r["experiment"] == e for r in runs)]
     experiments += sorted({r["experiment"] for r in runs} - set(experiments))
     fig, axes = plt.subplots(2, len(experiments), figsize=(5 * len(experiments), 7), squeeze=False)
@@ -160,7 +228,8 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
         use_tokens = exp == "h2h"  # matched compute: against generated tokens
         for i, (kind, label) in enumerate((("val", "validation accuracy (%)"), ("reward", "training reward"))):
             ax = axes[i][j]
-            for run, rs in sorted(by_run.items(), key=lambda kv: sort_key(exp, kv[0])):
+            drawn: dict[tuple, list[str]] = {}  # a curve's points -> the runs drawn with them
+            for n_run, (run, rs) in enumerate(sorted(by_run.items(), key=lambda kv: sort_key(exp, kv[0]))):
                 steps = sorted({s for r in rs for s in r["curve"][f"{kind}_step"]})
                 if not steps:
                     continue
@@ -182,7 +251,13 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
                 if use_tokens and len(set(xs)) == 1 and len(xs) > 1:  # offline DPO: every token spent before step 1
                     xs, ms, los, his = xs[-1:], ms[-1:], los[-1:], his[-1:]
                     run = run + " (final)"
-                ax.plot(xs, [scale * m for m in ms], marker="o", ms=3, color=colour(run.split(" ")[0]), label=run)
+                key = (tuple(xs), tuple(ms))
+                under = drawn.setdefault(key, [])  # the runs already drawn with these very points
+                same = f" (same as {under[0]})" if under else ""
+                marker, style = STYLES[n_run % len(STYLES)]
+                ax.plot(xs, [scale * m for m in ms], marker=marker, ms=3 + 2 * min(len(under), 4), ls=style,
+                        mfc="none" if under else None, color=colour(run.split(" ")[0]), label=run + same)  # fmt: skip
+                under.append(run)  # each one drawn over another: a larger ring
                 if len(rs) > 1:
                     ax.fill_between(
                         xs,
@@ -198,6 +273,8 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
                 ax.set_title({"critic": "critic sweep", "h2h": "head-to-head (matched tokens)"}.get(exp, exp))
                 if ax.get_legend_handles_labels()[0]:  # no curve drawn (no metric logged): no legend
                     ax.legend(fontsize=7, loc="best")
+    if note:
+        fig.suptitle(f"{note}: {NOT_A_RESULT}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -218,7 +295,7 @@ def error_axis_limits(single: list[float], pooled: list[float]) -> tuple[float, 
     return lo - 0.1 * span, hi + 0.1 * span
 
 
-def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
+def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path, note: str = "") -> None:
     """nmse against nmse centred, one small point per MC measurement and a large one per run (pooled); the
     distance below the diagonal is the constant offset that whitening removes. The axes cover the runs' values
     and most measurements (error_axis_limits); a measurement beyond is drawn on the edge as a triangle, counted
@@ -273,7 +350,8 @@ def plot_errors(plt: Any, runs: list[dict[str, Any]], path: Path) -> None:
         else ""
     )
     ax.set_title(
-        "Raw against centred error per baseline\n(small: each measurement; large: the run, pooled)" + cut, fontsize=9
+        titled("Raw against centred error per baseline\n(small: each measurement; large: the run, pooled)", note) + cut,
+        fontsize=9,
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")

@@ -3,18 +3,22 @@
 A baseline matters only where 0 < p < 1: a prompt the model always or never solves carries no information about
 any baseline (docs/science.md). This samples the reference GRPO line of the sweep's plan (its model, task, prompt
 format, temperature, top-p, max new tokens and group size G, read from the trainer as it would run them) for a few
-hundred train prompts, G times each, and writes OUT/preflight.json: the pass rate, the signal E[p(1-p)] (unbiased),
-the share of informative prompts (0 < p_hat < 1), their counts, and the standard error that the run's Monte Carlo
-measurement would then have for GRPO's nmse and for a perfect critic's (predicted_se). It prints one line and exits
-0 when the informative share reaches the threshold, 3 when it does not. ./sweep.sh runs it (docs/sweep.md):
+hundred train prompts, G times each, and makes the run's Monte Carlo measurement on the first completion of each.
+It writes OUT/preflight.json: the pass rate, the outcome variance E[p(1-p)] (unbiased), the informative share (of
+prompts with 0 < p_hat < 1), the share d of the outcome's variance resolved inside, and the standard error of each
+nmse the report compares, for one run: GRPO's leave-one-out mean and a perfect critic, at the prompt states and over
+the token-weighted states (predicted_errors), with the median half-width of the report's 3-seed interval of GRPO's
+nmse at the prompt. It prints one line and exits 0 when that half-width is at most the smallest effect worth
+detecting (--smallest-effect, docs/measurement.md), 3 when it is not. ./sweep.sh runs it (docs/sweep.md):
 
     ./sweep.sh --preflight                       # the plan's reference GRPO line, on this machine
     python preflight.py --out runs/sweep -- grpo.py --model smollm2 --task gsm8k    # any GRPO command
 
-Holds: the sampling (gsm8k.encode_prompt, generation.generate, gsm8k.score: the trainers' own prompt, sampler and
-reward), the estimators, the predicted standard error of nmse, the verdict. Does not hold: any training, the plan
-(sweep.sh), the scheduling (sweep_runner.py), the report (report.py). The trainer's settings come from the trainer
-itself: the preflight imports the one its command names and parses the command with runtime.cli, as the trainer would.
+Holds: the sampling (gsm8k.encode_prompt, generation.generate, measure.mc_values, gsm8k.score: the trainers' own
+prompt, sampler, measurement and reward), the estimators, the predicted standard errors, the verdict. Does not hold:
+any training, the plan (sweep.sh), the scheduling (sweep_runner.py), the report (report.py). The trainer's settings
+come from the trainer itself: the preflight imports the one its command names and parses the command with
+runtime.cli, as the trainer would.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ import torch
 
 import common
 import gsm8k
+import intervals
 import measure
 from plumbing import distributed, errors, generation, models, rollout, rundir, runtime
 
 REPO = Path(__file__).resolve().parent
-MIN_INFORMATIVE = 0.2  # refuse below this share of prompts with 0 < p_hat < 1
+SMALLEST_EFFECT = 0.05  # refuse when GRPO's 3-seed nmse interval at the prompt is wider than +- this (measurement.md)
+MIN_INFORMATIVE = 0.2  # report.py warns of a run whose measured prompt states have a smaller informative share
 GPU_PROMPTS, CPU_PROMPTS = 256, 8  # the default sample: 256 x G on a GPU, a handful on the CPU
 EXIT_NO_SIGNAL = 3
 
@@ -49,8 +55,9 @@ class Args:
     """folder for preflight.json (the sweep's --out)"""
     prompts: int = 0
     """train prompts sampled, group-size times each (0: 256 on a GPU, 8 on the CPU)"""
-    min_informative: float = MIN_INFORMATIVE
-    """the threshold: exit 3 when fewer than this share of the prompts have 0 < p_hat < 1"""
+    smallest_effect: float = SMALLEST_EFFECT
+    """exit 3 when the predicted half-width of the report's 3-seed interval of GRPO's nmse at the prompt exceeds this
+    smallest difference in nmse worth detecting (docs/measurement.md); 0: any signal passes (the smoke sweep)"""
 
 
 # ======================================================================================================
@@ -120,6 +127,86 @@ def predicted_se(signal: float, signal_sq: float, states: float, k: int, baselin
     return math.sqrt(max(0.0, c1 * signal + c2 * signal_sq) / states) / signal
 
 
+def state_stats(
+    scores: torch.Tensor, comp: torch.Tensor, t: torch.Tensor, w: torch.Tensor, returns: torch.Tensor
+) -> dict[str, float]:
+    """One measurement as a run makes it, on the preflight's sample, for the standard errors over states.
+    scores [n, G]: each prompt's G 0/1 rewards, the measured completion first (column 0); per measured state s:
+    comp [S] its prompt, t [S] the tokens written (0: the prompt state), w [S] its token weight
+    (measure.mc_state_positions), returns [S, K] K fresh 0/1 returns from it.  -> dict
+
+    With X = (b - p_hat)^2 - s^2/K and D = s^2 at each state (measure.baseline_error's terms) and, per measured
+    completion c, X_c = sum w X, D_c = sum w D over its states (the prompt's and those inside share one b):
+      nmse_grpo_states   sum X_c / sum D_c for b = the leave-one-out mean of the other G - 1 rewards
+      var_grpo_states    mean_c (X_c - r D_c)^2 / mean_c(D_c)^2, r = nmse_grpo_states: one completion's share of
+                         the variance of the pooled ratio (delta method with the completions as units: its states
+                         share b, so they are not independent); SE over m completions = sqrt(var / m)
+      var_perfect_states mean_c sum w^2 c2 q2 / mean_c(D_c)^2 for b = the true value (its states independent:
+                         E[X^2] = c2 q^2, c2 = 2 / (K (K - 1)), q2 unbiased for q^2 = (V(1 - V))^2 from K >= 4
+                         returns; below, the bound q^2 <= q / 4)
+      resolved           d = 1 - sum w s^2 / sum w q over the states inside, q the prompt's p(1 - p) (unbiased from
+                         its G rewards): the share of the outcome's variance already resolved where the run measures
+                         inside (E[V(1 - V)] = p(1 - p) - Var(V) for any value process)
+    No process model: the completions' own states and returns carry it. nan where no state has signal.
+    """
+    n, G = scores.shape
+    K = returns.shape[1]
+    j = scores.double().sum(-1)  # [n]
+    b = (j - scores[:, 0].double()) / (G - 1)  # [n] the measured completion's leave-one-out mean
+    q_prompt = j * (G - j) / (G * (G - 1))  # [n] unbiased for p (1 - p)
+    w = w.double()
+    kk = returns.double().sum(-1)  # [S] successes of K
+    p_hat, s2 = kk / K, returns.double().var(-1)  # [S], [S] unbiased
+    X, D = (b[comp] - p_hat) ** 2 - s2 / K, s2
+    Xc = torch.zeros(n, dtype=torch.float64).index_add_(0, comp, w * X)  # [n]
+    Dc = torch.zeros(n, dtype=torch.float64).index_add_(0, comp, w * D)  # [n]
+    if K >= 4:
+        q2 = kk * (kk - 1) * (K - kk) * (K - kk - 1) / (K * (K - 1) * (K - 2) * (K - 3))
+    else:
+        q2 = s2 / 4
+    nan = math.nan
+    mean_d = Dc.mean().item()
+    inside = t > 0
+    q_in = (w * q_prompt[comp])[inside].sum().item()
+    if mean_d <= 0:
+        return {"nmse_grpo_states": nan, "var_grpo_states": nan, "var_perfect_states": nan, "resolved": nan,
+                "measured_completions": n, "measured_states": len(t), "q2_unbiased": K >= 4}  # fmt: skip
+    r = (Xc.sum() / Dc.sum()).item()
+    Z = Xc - r * Dc
+    var_perfect = torch.zeros(n, dtype=torch.float64).index_add_(0, comp, w * w * 2 / (K * (K - 1)) * q2).mean()
+    return {
+        "nmse_grpo_states": r,
+        "var_grpo_states": (Z * Z).sum().item() / max(1, n - 1) / mean_d**2,
+        "var_perfect_states": var_perfect.item() / mean_d**2,
+        "resolved": 1 - (w * s2)[inside].sum().item() / q_in if q_in > 0 else nan,
+        "measured_completions": n,
+        "measured_states": len(t),
+        "q2_unbiased": K >= 4,
+    }
+
+
+def predicted_errors(stats: dict, states: dict, prompt_states: float, k: int, group_size: int) -> dict[str, float]:
+    """The standard error of each nmse the report compares, for one run of `prompt_states` measured completions:
+    GRPO's leave-one-out mean and a perfect critic, at the prompt states (predicted_se: exact over the binomial
+    laws, from E[q] and E[q^2] of the G rewards) and over every token-weighted state (state_stats: the run's
+    measurement made on the preflight's sample), with GRPO's values there and the resolved share d."""
+    q, q2 = stats["signal"], stats["signal_sq"]
+    m = float(prompt_states)
+
+    def root(var: float) -> float:
+        return math.sqrt(var / m) if m > 0 and math.isfinite(var) else math.nan
+
+    return {
+        "nmse_grpo_prompt": 1 / (group_size - 1),  # its leave-one-out mean at the prompt state, whatever p
+        "nmse_grpo_states": states["nmse_grpo_states"],
+        "resolved": states["resolved"],
+        "se_grpo_prompt": predicted_se(q, q2, m, k, group_size - 1),
+        "se_perfect_prompt": predicted_se(q, q2, m, k, None),
+        "se_grpo_states": root(states["var_grpo_states"]),
+        "se_perfect_states": root(states["var_perfect_states"]),
+    }
+
+
 def measurement_plan(args: dict, lengths: Sequence[int]) -> dict[str, float]:
     """What one run measures (report.py pools its measurements after the first): measurements, prompt states, all
     states and their effective number under the token weights of measure.mc_state_positions, for completions as
@@ -141,24 +228,45 @@ def measurement_plan(args: dict, lengths: Sequence[int]) -> dict[str, float]:
     }
 
 
-def verdict(stats: dict, threshold: float) -> tuple[bool, str]:
-    """(passed, the one line the preflight prints)."""
+def bound_names(stats: dict, measured: dict) -> list[str]:
+    """The predicted standard errors that are upper bounds, not estimates: at the prompt below G = 4 (E[q^2] then
+    bounded by E[q] / 4), the perfect critic's over states below K = 4 (q^2 by q / 4)."""
+    out = [] if stats.get("signal_sq_unbiased", True) else ["se_grpo_prompt", "se_perfect_prompt", "half_width_3_seeds"]
+    return out + ([] if measured.get("q2_unbiased", True) else ["se_perfect_states"])
+
+
+def verdict(stats: dict, smallest_effect: float) -> tuple[bool, str]:
+    """(passed, the one line the preflight prints). It passes when the predicted half-width of the report's 3-seed
+    interval of GRPO's nmse at the prompt is at most the smallest effect worth detecting (0: any signal passes)."""
     se = stats["predicted"]
 
-    def num(x: float | None) -> str:
-        return "n/a" if x is None or not math.isfinite(x) else f"{x:.3f}"
+    def num(key: str) -> str:
+        x = se.get(key)
+        shown = "n/a" if x is None or not math.isfinite(x) else f"{x:.3f}"
+        return ("<= " if key in se.get("bounds", []) and shown != "n/a" else "") + shown
 
-    ok = stats["informative"] >= threshold
+    half = se.get("half_width_3_seeds")
     line = (
         f"preflight: {stats['settings']['model']} on {stats['settings']['task']}: pass rate {stats['pass_rate']:.3f}, "
-        f"signal E[p(1-p)] {stats['signal']:.4f}, informative {stats['informative']:.2f} "
-        f"({stats['informative_prompts']} of {stats['prompts']} prompts x {stats['samples_per_prompt']}); "
-        f"predicted SE of one run's nmse: GRPO {num(se['se_nmse_grpo'])} (its value {num(se['nmse_grpo'])}), "
-        f"perfect critic {num(se['se_nmse_perfect'])} ({se['states']} states, K {se['mc_samples']}) -> "
+        f"outcome variance E[p(1-p)] {stats['signal']:.4f}, informative share {stats['informative']:.2f} "
+        f"({stats['informative_prompts']} of {stats['prompts']} prompts x {stats['samples_per_prompt']}), "
+        f"resolved inside d {num('resolved')}; one run's nmse, value +- SE ({se['prompt_states']} prompt states; "
+        f"{se['effective_states']:,.0f} effective of {se['states']:,} token-weighted states; K {se['mc_samples']}): "
+        f"GRPO {num('nmse_grpo_prompt')} +- {num('se_grpo_prompt')} at the prompt, {num('nmse_grpo_states')} +- "
+        f"{num('se_grpo_states')} over states; a perfect critic 0 +- {num('se_perfect_prompt')} at the prompt, 0 +- "
+        f"{num('se_perfect_states')} over states; GRPO's 3-seed half-width at the prompt {num('half_width_3_seeds')}"
     )
-    if ok:
-        return True, line + f"enough signal (informative {stats['informative']:.2f} >= {threshold:g})"
-    return False, line + f"refused: informative {stats['informative']:.2f} < {threshold:g}"
+    if half is None:
+        why = "no prompt with 0 < p < 1" if stats["signal"] <= 0 else "the run measures nothing (--mc-every 0)"
+        return (
+            False,
+            line + f" -> refused: no half-width to set against the smallest effect {smallest_effect:g} ({why})",
+        )
+    if not smallest_effect:
+        return True, line + " -> enough signal (no smallest effect asked: --smallest-effect 0)"
+    if half <= smallest_effect:
+        return True, line + f" -> enough signal: half-width {half:.3f} <= smallest effect {smallest_effect:g}"
+    return False, line + f" -> refused: half-width {half:.3f} > smallest effect {smallest_effect:g}"
 
 
 # ======================================================================================================
@@ -193,8 +301,9 @@ def trainer_settings(command: Sequence[str]) -> dict:
 
 
 @torch.no_grad()
-def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict]:
-    """G samples of the first `prompts` train prompts of the run's order.  -> scores [n, G], lengths [n G], info"""
+def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict, dict]:
+    """G samples of the first `prompts` train prompts of the run's order, and the run's measurement of the first
+    completion of each (sample_states).  -> scores [n, G], lengths [n G], info, states"""
     dist_ = distributed.setup_distributed(args["device"])
     device = dist_.device
     n = prompts or (GPU_PROMPTS if device.type == "cuda" else CPU_PROMPTS)
@@ -209,7 +318,7 @@ def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict]:
     idx = gsm8k.PromptSampler(len(train), args["seed"]).next(n)  # the run's own first prompts
     chunk = max(G, int(args["batch_size"]) * G)  # the trainer's rollout batch: its memory is already checked
     rows = [i for i in idx for _ in range(G)]
-    scores, lengths = [], []
+    scores, lengths, responses = [], [], []
     for first in range(0, len(rows), chunk):
         part = rows[first : first + chunk]
         ro = generation.generate(
@@ -225,17 +334,51 @@ def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict]:
         texts, ids = rollout.decode_responses(tokenizer, ro)
         scores += gsm8k.score(args["task"], texts, ids, [train[i].gold for i in part])
         lengths += [len(x) for x in ids]
+        responses += ids
     info = {"device": distributed.device_description(device, 1), "train_prompts": len(train)}
-    return torch.tensor(scores, dtype=torch.float64).view(n, G), lengths, info
+    states = sample_states(args, model, tokenizer, [train[i] for i in idx], responses[::G], chunk, device)
+    return torch.tensor(scores, dtype=torch.float64).view(n, G), lengths, info, states
+
+
+@torch.no_grad()
+def sample_states(args: dict, model, tokenizer, problems: list, responses: list, chunk: int, device) -> dict:
+    """The run's Monte Carlo measurement made on the preflight's sample: the first completion of each prompt (as
+    the run measures one completion of a measured prompt), its prompt state and `mc_states` states inside
+    (measure.mc_state_positions), mc_samples fresh returns from each (measure.mc_values, the run's own). -> comp,
+    t, w [S] and returns [S, K] for state_stats; empty when the run measures nothing (--mc-every 0)."""
+    K, M, T = int(args["mc_samples"]), int(args["mc_states"]), int(args["max_new_tokens"])
+    if not args.get("mc_every"):
+        return {}
+    picked = [(c, t, w) for c, ids in enumerate(responses) for t, w in measure.mc_state_positions(len(ids), M, c)]
+    per = max(1, chunk // K)  # states per batch: at most the trainer's rollout batch of rows
+    returns = []
+    for first in range(0, len(picked), per):
+        part = picked[first : first + per]
+        r, _, _ = measure.mc_values(
+            model, tokenizer,
+            [gsm8k.encode_prompt(tokenizer, problems[c].question, args["prompt_format"]) for c, _, _ in part],
+            [list(responses[c][:t]) for c, t, _ in part],
+            [problems[c].gold for c, _, _ in part],
+            task=args["task"], k=K, max_new_tokens=T, temperature=float(args["temperature"]),
+            top_p=float(args["top_p"]), buckets=1,
+            uniforms=common.uniform_rows(args["seed"], 6, first * K, len(part) * K, T, device),  # stream 6: here
+        )  # fmt: skip
+        returns.append(r)
+    return {
+        "comp": torch.tensor([c for c, _, _ in picked]),
+        "t": torch.tensor([t for _, t, _ in picked]),
+        "w": torch.tensor([w for _, _, w in picked], dtype=torch.float64),
+        "returns": torch.cat(returns),
+    }
 
 
 def preflight(a: Args, command: Sequence[str]) -> tuple[bool, dict]:
     """Sample, estimate, predict; write OUT/preflight.json. -> (passed, its contents)"""
-    runtime.check_range("min_informative", a.min_informative, 0, 1)
+    runtime.check_range("smallest_effect", a.smallest_effect, 0)
     runtime.check_range("prompts", a.prompts, 0)
     args = trainer_settings(command)
     t0 = time.time()
-    scores, lengths, info = sample(args, a.prompts)
+    scores, lengths, info, states = sample(args, a.prompts)
     stats = signal_stats(scores)
     plan = measurement_plan(args, lengths)
     k, G = int(args["mc_samples"]), int(args["group_size"])
@@ -244,23 +387,24 @@ def preflight(a: Args, command: Sequence[str]) -> tuple[bool, dict]:
         for key in ("model", "task", "prompt_format", "temperature", "top_p", "max_new_tokens", "group_size", "seed")
     } | {"scale": args["scale"], **info}
     stats["mean_length"] = sum(lengths) / max(1, len(lengths))
+    measured = state_stats(scores, **states) if states else {}
+    errors_ = predicted_errors(stats, measured, plan["prompt_states"], k, G) if measured else {}
     stats["predicted"] = {
         **plan,
         "mc_samples": k,
         "mc_prompts": int(args["mc_prompts"]),
         "mc_states": int(args["mc_states"]),
-        "nmse_grpo": 1 / (G - 1),  # its leave-one-out mean at the prompt state
-        "se_nmse_grpo": predicted_se(stats["signal"], stats["signal_sq"], plan["prompt_states"], k, G - 1),
-        "se_nmse_perfect": predicted_se(stats["signal"], stats["signal_sq"], plan["effective_states"], k, None),
-        "grpo_at": "the prompt states (leave-one-out mean of G - 1)",
-        "perfect_at": "all token-weighted states (effective_states)",
+        **errors_,
+        "half_width_3_seeds": intervals.median_half_width(errors_.get("se_grpo_prompt", math.nan), 3),
+        "bounds": bound_names(stats, measured),
+        "measured_completions": measured.get("measured_completions", 0),
+        "measured_states": measured.get("measured_states", 0),
     }
     stats["predicted"] = {
         key: (None if isinstance(v, float) and not math.isfinite(v) else v) for key, v in stats["predicted"].items()
     }
-    stats["threshold"] = {"informative": a.min_informative}
-    stats["min_informative_states"] = math.ceil(a.min_informative * plan["states"])
-    passed, line = verdict(stats, a.min_informative)
+    stats["smallest_effect"] = a.smallest_effect
+    passed, line = verdict(stats, a.smallest_effect)
     stats.update(passed=passed, verdict=line, command=list(command), seconds=time.time() - t0)
     stats["written"] = time.strftime("%Y-%m-%d %H:%M")
     out = Path(a.out)

@@ -41,8 +41,24 @@ ERROR_COLUMNS = [
     "bias",
     "rmse",
     "explained_variance",
-    "signal_fraction",
+    "informative_any",
+    "informative_share",
 ]
+
+
+def error_columns(pooled: dict[str, float], prompt: dict[str, float] | None = None) -> dict[str, float]:
+    """ERROR_COLUMNS from measure.pool_baseline_errors' ratios over every state (pooled) and over the prompt states
+    (prompt). Its signal_fraction is a share of measured prompts whose K 0/1 scores are not all equal: over the
+    prompt states, the informative share (as the preflight measures it, and named so); over every state, a prompt
+    with any such state (informative_any: the states inside are more often decided, so it differs)."""
+    named = {
+        **pooled,
+        "informative_any": pooled.get("signal_fraction", float("nan")),
+        "informative_share": (prompt or {}).get("signal_fraction", float("nan")),
+    }
+    return {key: named.get(key, float("nan")) for key in ERROR_COLUMNS}
+
+
 MC_BASELINE = {"ppo": "value", "grpo": "loo"}
 
 # ======================================================================================================
@@ -84,7 +100,8 @@ def mc_summary(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
     (measure.pool_baseline_errors). "sums" carries them on, so that seeds pool again, and "per_measurement" each
     measurement's (the units of a one-seed interval); "prompt_sums" the same at the prompt states only (nmse_prompt:
     where GRPO's leave-one-out mean reads 1/(G-1); runs measured before it leave it empty), and for GRPO
-    "group_sums", its group mean with the completion's own reward in it (nmse_group_mean). "old_format" marks a run
+    "group_sums", its group mean with the completion's own reward in it (nmse_group_mean: over every state, where it
+    reads (1 + (G-2) d) / (G (1 - d)); nmse_group_mean_prompt: at the prompt, 1/G). "old_format" marks a run
     measured before baseline_error (mc/value/centred_rmse and no sums): its columns stay empty."""
     name = MC_BASELINE.get(method, "value")
     meas = [r for r in rows if finite(r.get(f"mc/{name}/sum_signal_var"))]
@@ -92,11 +109,11 @@ def mc_summary(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
         meas = meas[1:]
     per_measurement = [measurement_sums(r, name) for r in meas]
     pooled = measure.pool_baseline_errors(per_measurement)
-    out: dict[str, Any] = {key: pooled.get(key, float("nan")) for key in ERROR_COLUMNS}
-    out["sums"] = {k: v for k, v in pooled.items() if k in measure.POOLED_SUMS}
-    out["per_measurement"] = per_measurement
     prompt = [measurement_sums(r, f"{name}_prompt") for r in meas]
     prompt = [m for m in prompt if m] if all(prompt) else []  # every measurement has it, or none counts
+    out: dict[str, Any] = error_columns(pooled, measure.pool_baseline_errors(prompt))
+    out["sums"] = {k: v for k, v in pooled.items() if k in measure.POOLED_SUMS}
+    out["per_measurement"] = per_measurement
     out["prompt_per_measurement"] = prompt
     out["prompt_sums"] = {k: v for k, v in measure.pool_baseline_errors(prompt).items() if k in measure.POOLED_SUMS}
     out["nmse_prompt"] = measure.pool_baseline_errors(prompt).get("nmse", float("nan"))
@@ -105,25 +122,114 @@ def mc_summary(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
     if method == "grpo":  # the group mean with the completion's own reward in it, for comparison
         out["group_sums"] = measure.pool_baseline_errors([measurement_sums(r, "group") for r in meas])
         out["nmse_group_mean"] = out["group_sums"].get("nmse", float("nan"))
+        group_prompt = [measurement_sums(r, "group_prompt") for r in meas]
+        out["group_prompt_sums"] = measure.pool_baseline_errors(group_prompt if all(group_prompt) else [])
+        out["nmse_group_mean_prompt"] = out["group_prompt_sums"].get("nmse", float("nan"))
     return out
+
+
+# the numerator of each pooled ratio (measure.baseline_error_ratios), and the sums it pools: every state or the prompt's
+NMSE_SUMS = {
+    "nmse": ("sum_sq_err_nc", ""),
+    "nmse_centred": ("sum_centred_sq_nc", ""),
+    "within_nmse": ("sum_within_sq_nc", ""),
+    "nmse_prompt": ("sum_sq_err_nc", "prompt_"),
+}
+
+
+def nmse_units(rs: list[dict[str, Any]], key: str) -> tuple[list[dict[str, float]], str]:
+    """The units of a pooled baseline-error ratio of the runs rs (seeds of one method-variant): each seed's sums, or,
+    with one seed, its measurements (what that run's critic did, nothing about other seeds)."""
+    num_key, part = NMSE_SUMS[key]
+    if len(rs) > 1:
+        units, label = [r["mc"][f"{part}sums"] for r in rs], "seeds"
+    else:
+        units, label = rs[0]["mc"][f"{part}per_measurement"], "measurements, 1 seed"
+    return [u for u in units if u and num_key in u and "sum_signal_var" in u], label
 
 
 def nmse_interval(rs: list[dict[str, Any]], key: str = "nmse") -> tuple[float, float, float, str]:
     """A pooled baseline-error ratio of the runs rs (seeds of one method-variant) and its 95% interval, centred on
     it: intervals.ratio_interval with the seeds as units (it carries their variance), or, with one seed, its
-    measurements as units (what that run's critic did, nothing about other seeds). -> value, lo, hi, units."""
-    num_key = {"nmse": "sum_sq_err_nc", "nmse_centred": "sum_centred_sq_nc", "nmse_prompt": "sum_sq_err_nc"}[key]
-    part = "prompt_" if key == "nmse_prompt" else ""
-    if len(rs) > 1:
-        units, label = [r["mc"][f"{part}sums"] for r in rs], "seeds"
-    else:
-        units, label = rs[0]["mc"][f"{part}per_measurement"], "measurements, 1 seed"
-    units = [u for u in units if u and num_key in u and "sum_signal_var" in u]
+    measurements as units (nmse_units). -> value, lo, hi, units."""
+    num_key, part = NMSE_SUMS[key]
+    units, label = nmse_units(rs, key)
     pooled = measure.pool_baseline_errors([r["mc"][f"{part}sums"] for r in rs]).get(key.removesuffix("_prompt"))
     lo = hi = float("nan")
     if len(units) >= len(rs):  # a seed without this measurement (an old run): the seeds that have it, no interval
         _, lo, hi = intervals.ratio_interval([u[num_key] for u in units], [u["sum_signal_var"] for u in units])
     return (pooled if finite(pooled) else float("nan")), lo, hi, label
+
+
+def nmse_difference(
+    rs: list[dict[str, Any]], ref: list[dict[str, Any]], key: str = "nmse"
+) -> tuple[float, float, float, str]:
+    """rs's pooled ratio less ref's (a critic's nmse less GRPO's), over the seeds both have, with its 95% interval
+    (intervals.ratio_difference_interval): paired by seed; with one seed in common, each run's measurements as its
+    units, unpaired. -> difference, lo, hi, units ('' when there is none)."""
+    nan = float("nan")
+    num_key, part = NMSE_SUMS[key]
+    ref_by = {r["seed"]: r for r in ref}
+    pairs = [(r, ref_by[r["seed"]]) for r in sorted(rs, key=lambda r: r["seed"]) if r["seed"] in ref_by]
+    if not pairs:
+        return nan, nan, nan, ""
+    a = [nmse_units([x], key)[0] if len(pairs) == 1 else [x["mc"][f"{part}sums"]] for x, _ in pairs]
+    b = [nmse_units([y], key)[0] if len(pairs) == 1 else [y["mc"][f"{part}sums"]] for _, y in pairs]
+    a, b = [u for units in a for u in units], [u for units in b for u in units]
+    ok = [u for u in (*a, *b) if u and num_key in u and u.get("sum_signal_var", 0) > 0]
+    if len(ok) < len(a) + len(b):  # a run without this measurement (an old run)
+        return nan, nan, nan, ""
+    args = ([u[num_key] for u in a], [u["sum_signal_var"] for u in a], [u[num_key] for u in b],
+            [u["sum_signal_var"] for u in b])  # fmt: skip
+    d, lo, hi = intervals.ratio_difference_interval(*args, paired=len(pairs) > 1)
+    return d, lo, hi, ("seeds" if len(pairs) > 1 else "measurements, 1 seed")
+
+
+FLOPS_PARTS = ("generation", "reference", "old", "update", "critic", "total", "measurement", "evaluation")
+
+
+def flops_estimate(res: dict[str, Any], args: dict[str, Any]) -> dict[str, float]:
+    """A run's training FLOPs by part, from what its results.json records: ~2 N a token through a forward and 6 N
+    through a forward and backward, N the parameters (the policy's, or the critic's for its parts).
+
+      generation  2 N x generated training tokens (the rollouts; offline DPO: its pair sampling)
+      reference   2 N x the tokens the reference scores: every rollout token (PPO, GRPO with --kl-coef > 0), each
+                  pair's chosen and rejected tokens once (DPO: reference_tokens)
+      old         2 N x rollout tokens with --recompute-logprobs, and 2 N_critic x rollout tokens for the critic's
+                  old values (a full critic's trunk forward; a head's, small)
+      update      6 N x trained tokens (completion tokens x epochs; DPO: chosen + rejected tokens x epochs)
+      critic      6 N_critic x trained tokens (its update)
+      total       their sum: the training budget. The Monte Carlo measurement (2 N x mc_tokens) and the
+                  evaluations (2 N x eval_tokens) are apart, as `measurement` and `evaluation`.
+    Not counted: prompt tokens (prefill and their place in the training forward) and attention's quadratic term.
+    nan where the run did not record what a part needs (runs written before the record; dpo.py before it)."""
+    nan = float("nan")
+    N, Nc = res.get("policy_params"), float(res.get("critic_params") or 0)
+    gen, trained = res.get("generated_tokens"), res.get("trained_tokens")
+    if not (finite(N) and finite(gen) and finite(trained)):
+        return {k: nan for k in FLOPS_PARTS}
+    N, gen, trained = float(N), float(gen), float(trained)
+    if res.get("method") == "dpo":
+        ref_tokens = res.get("reference_tokens")
+        parts = {
+            "generation": 2 * N * gen,
+            "reference": 2 * N * float(ref_tokens) if finite(ref_tokens) else nan,
+            "old": 0.0,
+            "update": 6 * N * trained,
+            "critic": 0.0,
+        }
+    else:
+        parts = {
+            "generation": 2 * N * gen,
+            "reference": 2 * N * gen if float(args.get("kl_coef") or 0) > 0 else 0.0,
+            "old": (2 * N * gen if args.get("recompute_logprobs") else 0.0) + 2 * Nc * gen,
+            "update": 6 * N * trained,
+            "critic": 6 * Nc * trained,
+        }
+    parts["total"] = sum(parts.values())
+    parts["measurement"] = 2 * N * float(res.get("mc_tokens") or 0)
+    parts["evaluation"] = 2 * N * float(res.get("eval_tokens") or 0)
+    return parts
 
 
 def curve(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -168,9 +274,7 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
     args = res.get("args") or {}
     rows = read_metrics(run_dir)
     correct = test.get("correct") if isinstance(test, dict) else None
-    params = res.get("policy_params")
-    trained = res.get("trained_tokens")
-    flops = 6.0 * trained * (params + int(res.get("critic_params", 0))) if finite(params) and finite(trained) else None
+    flops = flops_estimate(res, args)
     step_times = [r["time/step"] for r in rows if finite(r.get("time/step"))]
     wall = float(res.get("wall_time_s", float("nan")))
     test_s = float(test.get("seconds", 0.0)) if isinstance(test, dict) and finite(test.get("seconds")) else 0.0
@@ -196,7 +300,8 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "wall_time_s": wall,
         "train_time_s": wall - not_training,  # without the MC measurement and the evaluations (val and test)
         "critic_params": int(res.get("critic_params", 0)),
-        "update_flops": float(flops) if flops is not None else float("nan"),
+        "update_flops": flops["update"] + flops["critic"],  # the gradient updates, policy and critic
+        "flops": flops,
         "correct": [float(c) for c in correct] if isinstance(correct, list) else None,
         "device": str(res.get("device", "")),
         "rollout": rollout_label(res),
@@ -288,11 +393,13 @@ def fmt_signed_interval(m: float, lo: float, hi: float) -> str:
     return f"{100 * m:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]" if finite(lo) else f"{100 * m:+.1f} [n/a]"
 
 
-def fmt_interval(x: float, lo: float, hi: float, digits: int = 3) -> str:
-    """A value with its interval, '0.120 [0.080, 0.160]'; '0.120 [n/a]' where the interval is undefined."""
+def fmt_interval(x: float, lo: float, hi: float, digits: int = 3, signed: bool = False) -> str:
+    """A value with its interval, '0.120 [0.080, 0.160]' ('+0.120 [+0.080, +0.160]' signed); '0.120 [n/a]' where the
+    interval is undefined."""
     if not finite(x):
         return "-"
-    return f"{x:.{digits}f} " + (f"[{lo:.{digits}f}, {hi:.{digits}f}]" if finite(lo) and finite(hi) else "[n/a]")
+    f = f"{'+' if signed else ''}.{digits}f"
+    return f"{x:{f}} " + (f"[{lo:{f}}, {hi:{f}}]" if finite(lo) and finite(hi) else "[n/a]")
 
 
 def fmt_tokens(x: float) -> str:

@@ -35,6 +35,9 @@ from plots import plot_crossover, plot_curves, plot_errors, plot_run
 from plumbing import errors, runtime
 from read_runs import (
     ERROR_COLUMNS,
+    FLOPS_PARTS,
+    NMSE_SUMS,
+    error_columns,
     finite,
     fmt_interval,
     fmt_num,
@@ -44,6 +47,7 @@ from read_runs import (
     fmt_tokens,
     load_run,
     mean,
+    nmse_difference,
     nmse_interval,
     read_plan,
     run_folders,
@@ -54,52 +58,55 @@ from read_runs import (
 NEW_COLUMNS = {
     "nmse": "baseline error (nmse, nmse_centred, within_nmse, ...)",
     "paired": "paired difference vs GRPO",
-    "update_flops": "update FLOPs estimate",
+    "update_flops": "FLOPs estimate",
 }
 
 DEFINITIONS = """\
-How to read it (the definitions, with formulas: docs/measurement.md):
-- **test accuracy**: greedy, strict `####` answer, on the test problems (n in runs.csv). One seed: the run's
-  Wilson 95% interval. Several seeds: the mean over seeds with a t interval, mean +- t(0.975, n - 1) sd / sqrt(n)
-  (t = 4.30 for 3 seeds; intervals.mean_interval); the spread (sd over seeds) is shown too.
-- **vs GRPO**: the paired difference in test accuracy from GRPO's group-mean run of the same experiment, on the
-  same test problems (per-problem correctness is in each run's results.json): per seed the mean over problems of
-  the difference, then the mean over the seeds both have with the t interval over those per-seed differences
-  (intervals.paired_seed_difference: it carries the seed-to-seed variance; t = 4.30 for 3 seeds, so wide). One seed:
-  the paired t interval over its problems, which says nothing about another seed.
+The definitions, with their formulas: docs/measurement.md.
+
+- **test acc.**: greedy, strict `####` answer, on the test problems (n in runs.csv). Several seeds: the mean over
+  seeds with a t interval, mean +- t(0.975, n - 1) sd / sqrt(n) (t = 4.30 for 3 seeds; intervals.mean_interval).
+  One seed (†): the run's Wilson interval over its problems.
+- **vs GRPO**: the paired difference in test accuracy, in points, from GRPO's group-mean run of the same experiment
+  on the same test problems: per seed the mean over problems of the difference, then the t interval over those
+  per-seed differences (intervals.paired_seed_difference: it carries the seed-to-seed variance; t = 4.30 for 3
+  seeds, so wide). One seed (†): the paired t interval over its problems, which says nothing about another seed.
 - **[n/a]**: no interval: one unit, or units (seeds) that agree exactly. An interval of zero width would read as
   certain; agreeing seeds say that the spread is small, and the interval needs more seeds.
-- **generated tokens**: tokens of training rollouts only, the compute that the head-to-head matches. Monte Carlo
-  measurement tokens never train and are counted apart (mc_tokens in the CSV), as are evaluation tokens.
-  **update FLOPs** ~ 6 x trained completion tokens (x epochs) x trainable parameters (policy + critic: a full
-  critic doubles the trunk): the gradient updates only; prompt tokens, generation, the reference and old-policy
-  forwards and the MC measurement are not counted. **wall time**: the run's own clock, everything in it;
-  **train time**: wall time less the MC measurement (mc/seconds) and the evaluations (val/seconds, the test's
-  seconds), what the method itself spent. Matched compute is read three ways: tokens (the budget), FLOPs, time.
-  **rollout**: what the run's rollouts ran on (static + CUDA graphs, static, hf; "fell back" names each
-  fallback, its reason in results.json): a slow run is not a slow method; "-" for a run from before the record.
+- **gen. tokens**: tokens of training rollouts only, the compute that the head-to-head matches (Monte Carlo and
+  evaluation tokens are apart). **total FLOPs**: the training FLOPs, estimated from what each run recorded
+  (read_runs.flops_estimate): ~2 N a token through a forward (the rollouts, the reference's log-probs, old
+  log-probs and a critic's old values) and 6 N a trained token (completion tokens x epochs) for the update, the
+  critic's with its own N; prompt tokens and attention's quadratic term are not counted, the MC measurement and the
+  evaluations are apart. The Compute section gives each part, wall time (the run's own clock) and train time (less
+  the MC measurement and the evaluations). Matched compute is read three ways: tokens (the budget), FLOPs, time;
+  what each matching leaves unmatched (prompts per token, gold solutions, pairs per completion): docs/sweep.md.
 - **matched compute (h2h)**: for each seed, grpo.py runs first for the scale's steps; its generated tokens are the
-  budget. Every PPO critic and online DPO then run with `--token-budget` = that budget (and a step cap 10x GRPO's
-  steps, so that the budget ends them); a run stops after the step that reaches the budget, so it can overshoot by
-  one step's tokens ("vs budget"). Offline DPO spends the budget once, sampling its pairs from the reference
-  model, then trains for GRPO's number of steps.
-- **baseline error** (measure.baseline_error, against K fresh rollouts from the prompt and from states drawn
-  uniformly inside each measured completion, token-weighted): **nmse** = the baseline's noise-corrected MSE
-  against the true value over the reward's own variance there, E[p(1-p)] of the 0/1 score: the share by which
-  the baseline inflates Var(R - b) over a perfect baseline's (0 perfect; below 0 only by the noise correction).
-  **nmse at prompt**: the same at the prompt states only, where GRPO's leave-one-out mean of G reads 1/(G-1)
-  (0.14 at G = 8) whatever the success rate; at states inside a completion its one constant cannot follow V(s_t)
-  and reads (1/(G-1) + d)/(1 - d), d the share of the outcome's variance already resolved (docs/measurement.md):
-  at the prompt a critic is compared for noise, inside for tracking the value. **nmse centred**: the same after
-  removing the mean error (what whitening removes). **within**: after removing each prompt's mean error.
-  **signal**: the share of measured prompts whose K scores differ (where a baseline matters at all). Pooled as
-  sums over a run's measurements after the first (the untrained critic) and over seeds, never averaged as roots
-  or ratios; the interval [95%] is centred on that pooled value: intervals.ratio_interval with the seeds as units
-  (it carries their variance; one seed: its measurements as units). With 3 seeds it covered 95% in simulation
-  with a moderate seed effect (tests/test_intervals.py) and less (~86%) when the critic's error differs between
-  seeds by a factor of e (a skewed seed effect): read it as approximate. GRPO's row is its leave-one-out mean
-  (its effective baseline); its group mean including the completion's own reward reads ~1/G (runs.csv
-  nmse_group_mean, pooled as the rest).
+  budget. The others run with `--token-budget` = that budget (and a step cap 10x GRPO's steps, so that the budget
+  ends them; a linear or cosine learning rate decays over the budget, not the cap); a run stops after the step that
+  reaches the budget, so it can overshoot by one step's tokens ("vs budget"). Offline DPO spends the budget once,
+  sampling its pairs from the reference model, then trains for GRPO's number of steps.
+- **nmse** (measure.baseline_error, against K fresh rollouts from the prompt and from states drawn uniformly inside
+  each measured completion, token-weighted): the baseline's noise-corrected MSE against the true value over the
+  outcome variance there, E[p(1-p)] of the 0/1 score: the share by which the baseline inflates Var(R - b) over a
+  perfect baseline's (0 perfect; below 0 only by the noise correction). **nmse at prompt**: the same at the prompt
+  states only, where GRPO's leave-one-out mean of G reads 1/(G-1) (0.14 at G = 8) whatever the success rate: a
+  critic is compared there for noise. Over the token-weighted states (**nmse**) GRPO's one constant cannot follow
+  V(s_t) and reads (1/(G-1) + d)/(1 - d), d the share of the outcome's variance already resolved (the preflight
+  measures it): a critic is compared there for tracking the value. **less GRPO's**: this baseline's nmse minus
+  GRPO's (the experiment's grpo-group, else the head-to-head's), below 0 where it is the better, with the interval
+  of that difference (intervals.ratio_difference_interval, paired by seed). **nmse centred**: after removing the
+  mean error (what whitening removes). **within**: after removing each prompt's mean error. **informative share**:
+  the share of measured prompt states whose K 0/1 scores differ (0 < p < 1: where a baseline can matter at all),
+  as the preflight measures it (informative_any in the CSVs: a prompt with any such state, inside ones too).
+- Every nmse is pooled as sums over a run's measurements after the first (the untrained critic) and over seeds,
+  never averaged as roots or ratios; its interval is centred on that pooled value (intervals.ratio_interval, the
+  seeds as units; one seed (†): its measurements). With 3 seeds it covered 95% in simulation with a moderate seed
+  effect and 86% when the critic's error differs between seeds by a factor of e: read it as approximate.
+- GRPO's row is its leave-one-out mean (its effective baseline). Its group mean, the completion's own reward in it,
+  reads 1/G at the prompt (summary.csv and runs.csv: nmse_group_mean_prompt); pooled over the token-weighted states
+  (nmse_group_mean) it reads (1 + (G-2) d) / (G (1 - d)) (0.50 at d = 0.3, G = 8), below the leave-one-out mean
+  only because it holds that completion's own outcome.
 """
 
 
@@ -151,19 +158,35 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "critic_params": rs[0]["critic_params"],
         }
         row["update_flops"] = mean([r["update_flops"] for r in rs])
+        for part in FLOPS_PARTS:
+            row[f"flops_{part}"] = mean([r["flops"][part] for r in rs])
         pooled = measure.pool_baseline_errors([r["mc"]["sums"] for r in rs])  # sums over seeds, then the ratios
-        for key in ERROR_COLUMNS:
-            row[key] = pooled.get(key, float("nan"))
-        for key in ("nmse", "nmse_centred", "nmse_prompt"):  # centred on the pooled value printed
+        row.update(error_columns(pooled, measure.pool_baseline_errors([r["mc"]["prompt_sums"] for r in rs])))
+        for key in NMSE_SUMS:  # centred on the pooled value printed
             x, lo, hi, units = nmse_interval(rs, key)
             row[key], row[f"{key}_low"], row[f"{key}_high"] = x, lo, hi
         row["nmse_interval"] = units
-        group = measure.pool_baseline_errors([r["mc"].get("group_sums") or {} for r in rs])  # pooled as the rest
-        row["nmse_group_mean"] = group.get("nmse", float("nan"))
+        ref = grpo_reference(runs, experiment)
+        for key, diff in (("nmse_prompt", "diff_prompt"), ("nmse", "diff")):  # this run's nmse less GRPO's
+            d, lo, hi, units = nmse_difference(rs, ref, key) if ref and ref != rs else (float("nan"),) * 3 + ("",)
+            row.update({diff: d, f"{diff}_low": lo, f"{diff}_high": hi, f"{diff}_interval": units})
+        for name, part in (("nmse_group_mean", "group_sums"), ("nmse_group_mean_prompt", "group_prompt_sums")):
+            group = measure.pool_baseline_errors([r["mc"].get(part) or {} for r in rs])  # pooled as the rest
+            row[name] = group.get("nmse", float("nan"))
         d, lo, hi, n_items, n_seeds = paired.get((experiment, run), (float("nan"),) * 5)
         row.update(vs_grpo=d, vs_grpo_low=lo, vs_grpo_high=hi, vs_grpo_problems=n_items, vs_grpo_seeds=n_seeds)
         rows.append(row)
     return rows
+
+
+def grpo_reference(runs: list[dict[str, Any]], experiment: str) -> list[dict[str, Any]]:
+    """The GRPO runs a baseline's nmse is compared with: the experiment's grpo-group, else the head-to-head's (the
+    critic sweep has none of its own; h2h's runs for the same steps and seeds)."""
+    for exp in (experiment, "h2h"):
+        ref = [r for r in runs if r["experiment"] == exp and r["run"] == "grpo-group"]
+        if ref:
+            return ref
+    return []
 
 
 def paired_vs_grpo(runs: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[float, float, float, float, float]]:
@@ -193,57 +216,78 @@ def paired_vs_grpo(runs: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[fl
     return out
 
 
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = [
-        "experiment",
-        "run",
-        "seeds",
-        "test acc. %",
-        "95% interval",
-        "sd",
-        "steps",
-        "gen. tokens",
-        "vs budget",
-        "update FLOPs",
-        "wall time",
-        "train time",
-        "rollout",
-        "critic params",
-        "vs GRPO (paired) %",
-        "nmse [95%]",
-        "nmse at prompt",
-        "nmse centred",
-        "within",
-        "bias",
-        "signal",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+ONE_SEED = "†"
+
+
+def markdown_tables(rows: list[dict[str, Any]]) -> str:
+    """The results, first and short: accuracy and compute, then the baseline error with its intervals and its
+    difference from GRPO's. A cell whose interval is over one seed's measurements or test problems is marked †."""
+
+    def mark(cell: str, one_seed: bool) -> str:
+        return cell + ONE_SEED if one_seed and "[" in cell and "n/a" not in cell else cell
+
+    def pooled(r: dict[str, Any], key: str, signed: bool = False) -> str:
+        x, lo, hi = r[key], r[f"{key}_low"], r[f"{key}_high"]
+        units = r.get(f"{key}_interval", r["nmse_interval"]) if key.startswith("diff") else r["nmse_interval"]
+        return mark(fmt_interval(x, lo, hi, signed=signed), units.endswith("1 seed"))
+
+    head = ["experiment", "run", "seeds", "test acc. % [95%]", "vs GRPO, points [95%]", "gen. tokens", "total FLOPs",
+            "wall time"]  # fmt: skip
+    acc = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        cells = [
-            r["experiment"],
-            r["run"],
-            str(r["seeds"]),
-            fmt_pct(r["test_accuracy"]),
+        interval = (
             f"[{fmt_pct(r['interval_low'])}, {fmt_pct(r['interval_high'])}]"
             if finite(r["interval_low"])
-            else f"n/a ({r['interval']})",
-            fmt_pct(r["sd_over_seeds"]),
-            f"{r['steps']:.0f}",
-            fmt_tokens(r["generated_tokens"]),
-            fmt_num(r["tokens_vs_budget"], 2),
-            fmt_tokens(r["update_flops"]),
-            fmt_time(r["wall_time_s"]),
-            fmt_time(r["train_time_s"]),
-            r.get("rollout", "-"),
-            f"{r['critic_params']:,}",
-            fmt_signed_interval(r["vs_grpo"], r["vs_grpo_low"], r["vs_grpo_high"]),
-            fmt_interval(r["nmse"], r["nmse_low"], r["nmse_high"]),
-            fmt_num(r["nmse_prompt"]),
-            fmt_num(r["nmse_centred"]),
-            fmt_num(r["within_nmse"]),
-            fmt_num(r["bias"]),
-            fmt_pct(r["signal_fraction"]),
-        ]
+            else f"n/a ({r['interval']})"
+        )
+        vs = fmt_signed_interval(r["vs_grpo"], r["vs_grpo_low"], r["vs_grpo_high"])
+        cells = [r["experiment"], r["run"], str(r["seeds"]), mark(f"{fmt_pct(r['test_accuracy'])} {interval}",
+                 r["interval"] == "wilson"), mark(vs, r["vs_grpo_seeds"] == 1), fmt_tokens(r["generated_tokens"]),
+                 fmt_tokens(r["flops_total"]), fmt_time(r["wall_time_s"])]  # fmt: skip
+        acc.append("| " + " | ".join(cells) + " |")
+    head = ["experiment", "run", "seeds", "nmse at prompt [95%]", "less GRPO's", "nmse [95%]", "less GRPO's",
+            "nmse centred [95%]", "within [95%]", "informative share"]  # fmt: skip
+    err = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        if not (finite(r["nmse"]) or finite(r["nmse_prompt"])):
+            continue
+        cells = [r["experiment"], r["run"], str(r["seeds"]), pooled(r, "nmse_prompt"), pooled(r, "diff_prompt", True),
+                 pooled(r, "nmse"), pooled(r, "diff", True), pooled(r, "nmse_centred"), pooled(r, "within_nmse"),
+                 fmt_num(r["informative_share"], 2)]  # fmt: skip
+        err.append("| " + " | ".join(cells) + " |")
+    out = "\n".join(acc)
+    if len(err) > 2:
+        out += (
+            "\n\nThe baselines' error against Monte Carlo (nmse: 0 for a perfect baseline; GRPO's leave-one-out mean "
+        )
+        out += (
+            "reads 1/(G-1) at the prompt; \"less GRPO's\": this nmse minus GRPO's, below 0 where this baseline is the "
+        )
+        out += "better, with the interval of that difference):\n\n" + "\n".join(err)
+    if ONE_SEED in out:
+        out += (
+            f"\n\n{ONE_SEED} one seed: the interval is over that run's measurements (nmse) or test problems (accuracy, "
+            "Wilson; the paired difference), not over seeds: it says what the same run would read again, not what "
+            "another seed would (with a seed effect it covered the cross-seed value 69-90% in simulation)."
+        )
+    return out
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """markdown_tables' text (the name the tests and older callers use)."""
+    return markdown_tables(rows)
+
+
+def compute_table(rows: list[dict[str, Any]]) -> str:
+    """Each run's budget, three ways: generated training tokens, FLOPs by part (read_runs.flops_estimate) and time."""
+    head = ["experiment", "run", "gen. tokens", "vs budget", "generation", "reference", "old values", "update FLOPs",
+            "critic", "total FLOPs", "MC FLOPs", "wall time", "train time", "rollout"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        cells = [r["experiment"], r["run"], fmt_tokens(r["generated_tokens"]), fmt_num(r["tokens_vs_budget"], 2),
+                 *(fmt_tokens(r[f"flops_{p}"]) for p in ("generation", "reference", "old", "update", "critic",
+                                                          "total", "measurement")),
+                 fmt_time(r["wall_time_s"]), fmt_time(r["train_time_s"]), r.get("rollout", "-")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -283,12 +327,15 @@ RUN_COLUMNS = [
     *ERROR_COLUMNS,
     "nmse_prompt",
     "nmse_group_mean",
+    "nmse_group_mean_prompt",
     "measurements",
+    *(f"flops_{p}" for p in FLOPS_PARTS),
 ]
 
 
 def flat_run(r: dict[str, Any]) -> dict[str, Any]:
-    return {**{k: v for k, v in r.items() if k not in ("mc", "correct")}, **r["mc"]}
+    flops = {f"flops_{p}": v for p, v in r["flops"].items()}
+    return {**{k: v for k, v in r.items() if k not in ("mc", "correct", "flops")}, **r["mc"], **flops}
 
 
 # ======================================================================================================
@@ -338,7 +385,7 @@ def old_run_columns(runs: list[dict[str, Any]]) -> str:
             missing.setdefault(NEW_COLUMNS["nmse"], []).append(name)
         if r["correct"] is None:
             missing.setdefault(NEW_COLUMNS["paired"], []).append(name)
-        if not finite(r["update_flops"]) and r["method"] in ("ppo", "grpo"):  # dpo.py does not record it
+        if not finite(r["flops"]["total"]):  # the tokens and parameters read_runs.flops_estimate needs
             missing.setdefault(NEW_COLUMNS["update_flops"], []).append(name)
     if not missing:
         return ""
@@ -355,47 +402,74 @@ def preflight_lines(out: Path) -> list[str]:
         return ["", "Preflight: none in this folder (`./sweep.sh --preflight` measures the model's signal first)."]
     try:
         p = json.loads(path.read_text())
-        st, pr, thr = p["settings"], p["predicted"], p["threshold"]["informative"]
+        if isinstance(p, dict) and "passed" in p and "smallest_effect" not in p:
+            return ["", f"Preflight: {path} was written by an older preflight (an informative-share threshold, no "
+                    "standard error over states); `./sweep.sh --preflight` writes it anew."]  # fmt: skip
+        st, pr, effect = p["settings"], p["predicted"], float(p["smallest_effect"])
+        bounds = pr.get("bounds") or []
 
-        def num(x: Any) -> str:
-            return fmt_num(x) if finite(x) else "n/a"
+        def num(key: str) -> str:
+            return ("<= " if key in bounds else "") + fmt_num(pr.get(key)) if finite(pr.get(key)) else "n/a"
 
+        rule = f"the smallest effect {effect:g}" if effect else "no smallest effect asked (--smallest-effect 0)"
         text = (
             f"**Preflight** ({path.name}, {p.get('written', '?')}): {st['model']} on {st['task']} at temperature "
             f"{st['temperature']:g}, {st['max_new_tokens']} new tokens, {p['prompts']} train prompts x "
-            f"{p['samples_per_prompt']}: pass rate {p['pass_rate']:.3f}, signal E[p(1-p)] {p['signal']:.4f}, "
-            f"informative {p['informative']:.2f} ({p['informative_prompts']} prompts with 0 < p < 1); threshold "
-            f"{thr:g}: {'passed' if p['passed'] else 'refused (the sweep ran with --force)'}. Predicted standard "
-            f"error of one run's nmse: GRPO's leave-one-out mean {num(pr['se_nmse_grpo'])} at {pr['prompt_states']} "
-            f"prompt states (its value {num(pr['nmse_grpo'])}), a perfect critic's {num(pr['se_nmse_perfect'])} "
-            f"over {pr['states']} states (K = {pr['mc_samples']})."
+            f"{p['samples_per_prompt']}: pass rate {p['pass_rate']:.3f}, outcome variance E[p(1-p)] "
+            f"{p['signal']:.4f}, informative share {p['informative']:.2f} ({p['informative_prompts']} prompts with "
+            f"0 < p < 1), resolved share inside d {num('resolved')}. Predicted for one run's nmse, value +- standard "
+            f"error: GRPO's leave-one-out mean {num('nmse_grpo_prompt')} +- {num('se_grpo_prompt')} at "
+            f"{pr['prompt_states']} prompt states and {num('nmse_grpo_states')} +- {num('se_grpo_states')} over "
+            f"{pr['effective_states']:,.0f} effective of {pr['states']:,} token-weighted states; a perfect critic "
+            f"0 +- {num('se_perfect_prompt')} and 0 +- {num('se_perfect_states')} (K = {pr['mc_samples']}). GRPO's "
+            f"3-seed interval at the prompt: +- {num('half_width_3_seeds')} (median), against {rule}: "
+            f"{'passed' if p['passed'] else 'refused (the sweep ran with --force)'}."
         )
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return ["", f"Preflight: {path} is damaged ({type(e).__name__}: {e}); ./sweep.sh --preflight writes it anew."]
     if not p["passed"]:
-        text += " Too few prompts carry signal: the baselines' errors below rest on little."
+        text += " The baselines' errors below cannot tell the smallest effect apart."
     return ["", text]
 
 
-def informative_warnings(runs: list[dict[str, Any]], out: Path) -> list[str]:
-    """One warning per run whose pooled count of informative states (metrics.jsonl's mc/informative_states over
-    the measurements after the first, as mc_summary pools them) is below what the preflight's threshold implies:
-    threshold x the states it measured (preflight.json's threshold, else preflight.MIN_INFORMATIVE)."""
-    threshold = preflight.MIN_INFORMATIVE
+def toy_banner(runs: list[dict[str, Any]], out: Path) -> list[str]:
+    """A line saying that these numbers are no result, where they are none: the tiny random model or the toy task
+    (the smoke sweep), or a model the preflight refused (the sweep ran with --force)."""
+    why = toy_reason(runs, out)
+    return (
+        ["", f"**{why}: the numbers and figures below show that every piece runs, not what the methods do.**"]
+        if why
+        else []
+    )
+
+
+def toy_reason(runs: list[dict[str, Any]], out: Path) -> str:
+    """Why these runs answer nothing ('' where they may): the tiny model, the toy task, or a refused preflight."""
+    models, tasks = {r["model"] for r in runs}, {r["task"] for r in runs}
+    if "tiny" in models or "toy" in tasks:
+        return "A smoke sweep (the tiny random model; the toy task: reward 1 when a target token appears)"
     try:
-        threshold = float(json.loads((out / "preflight.json").read_text())["threshold"]["informative"])
+        if not json.loads((out / "preflight.json").read_text())["passed"]:
+            return "The preflight refused this model (too little signal; the sweep ran with --force)"
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    return ""
+
+
+def informative_warnings(runs: list[dict[str, Any]]) -> list[str]:
+    """One warning per run whose measured prompt states have an informative share (their K 0/1 scores not all
+    equal: 0 < p < 1) below preflight.MIN_INFORMATIVE, pooled over the measurements after the first as mc_summary
+    pools them. Like with like: the preflight's informative share is measured at the prompt too; states inside a
+    completion are more often decided, so their share is lower for the same model."""
     lines = []
     for r in sorted(runs, key=lambda r: (*sort_key(r["experiment"], r["run"]), r["seed"])):
-        meas = [row for row in r["rows"] if finite(row.get("mc/informative_states")) and finite(row.get("mc/states"))]
-        meas = meas[1:] if len(meas) > 1 else meas
-        k, n = sum(row["mc/informative_states"] for row in meas), sum(row["mc/states"] for row in meas)
-        if meas and k < threshold * n:
+        sums = r["mc"].get("prompt_sums") or {}
+        k, n = sums.get("signal_groups"), sums.get("groups")
+        if finite(k) and finite(n) and n > 0 and k < preflight.MIN_INFORMATIVE * n:
             lines.append(
-                f"- warning: {r['experiment']}/{Path(r['dir']).name} measured {k:.0f} informative states of {n:.0f} "
-                f"(0 < p < 1; fewer than the {math.ceil(threshold * n)} that the preflight's threshold {threshold:g} "
-                "implies): its baseline error rests on few states"
+                f"- warning: {r['experiment']}/{Path(r['dir']).name}: {k:.0f} of {n:.0f} prompt states informative "
+                f"(0 < p < 1; share {k / n:.2f} < {preflight.MIN_INFORMATIVE:g}): its baseline error at the prompt "
+                "rests on few states"
             )
     return ["", *lines] if lines else []
 
@@ -444,11 +518,18 @@ def write_report(out: Path, report_dir: Path) -> Path:
     except ImportError:
         plt = None
     if plt is not None:
-        caption = plot_crossover(plt, runs, report_dir / "crossover.png")
+        note = toy_reason(runs, out)  # in every figure's title, where these runs answer nothing
+        caption = plot_crossover(plt, runs, report_dir / "crossover.png", note)
         plots.append(("crossover.png", caption))
-        plot_curves(plt, runs, report_dir / "curves.png")
-        plots.append(("curves.png", "Learning curves: mean over seeds, with a 95% band where there are several."))
-        plot_errors(plt, runs, report_dir / "errors.png")
+        plot_curves(plt, runs, report_dir / "curves.png", note)
+        plots.append(
+            (
+                "curves.png",
+                "Learning curves: mean over seeds, with a 95% band where there are several; a curve drawn over an"
+                ' earlier one is a larger ring and says "same as" in the legend.',
+            )
+        )
+        plot_errors(plt, runs, report_dir / "errors.png", note)
         plots.append(
             (
                 "errors.png",
@@ -470,32 +551,32 @@ def write_report(out: Path, report_dir: Path) -> Path:
     lines = [
         f"# Sweep report: {out}",
         *preflight_lines(out),
-        *informative_warnings(runs, out),
+        *toy_banner(runs, out),
+        *informative_warnings(runs),
         *data_differences(runs),
+        "",
+        "## Results",
         "",
         f"Written by report.py on {time.strftime('%Y-%m-%d %H:%M')} from {len(runs)} finished runs. "
         f"Model: {', '.join(models)}; scale: {', '.join(scales)}; device: {', '.join(devices)}.",
     ]
-    if "tiny" in models:
-        lines.append(
-            "\nA smoke sweep: the tiny random model at a few steps. The numbers show that every piece runs, not "
-            "what the methods do. Every run but the gold-pair DPO runs uses the toy task (reward 1 when a target "
-            "token appears), since the tiny model never solves GSM8K."
-        )
     if budgets:
         lines.append(
             "\nMatched budget (h2h), from each seed's GRPO run: "
             + "; ".join(f"seed {s}: {t:,} generated tokens in {n} steps" for s, t, n, _ in budgets)
             + "."
         )
-    lines += ["", DEFINITIONS, "## Results", "", markdown_table(summary), ""]
+    lines += ["", markdown_tables(summary), ""]
     lines.append(
-        "Per-run numbers (every seed, MC tokens, RMSE, explained variance, GRPO's group mean): runs.csv; this table: "
-        "summary.csv."
+        "Every column, and per run (every seed, MC tokens, RMSE, bias, explained variance, GRPO's group mean): "
+        "summary.csv, runs.csv."
     )
     unfilled = old_run_columns(runs)
     if unfilled:
         lines += ["", unfilled]
+    hardware = "one kind of hardware, " + devices[0] if len(devices) == 1 else f"{len(devices)} kinds of hardware"
+    lines += ["", "## Compute", "", f"Each run's budget, three ways (mean over seeds; wall time on {hardware}):", ""]
+    lines += [compute_table(summary), ""]
     problems = damaged + missing_runs(out, runs)
     if problems:
         lines += ["", "## Failed, missing or damaged runs", ""] + [f"- {p}" for p in problems]
@@ -505,7 +586,8 @@ def write_report(out: Path, report_dir: Path) -> Path:
             lines += [f"![{name}]({name})", "", caption, ""]
     else:
         lines += ["", "matplotlib is not installed: no plots (`pip install matplotlib`, then `python report.py OUT`)."]
-    lines += ["", "## Duration of the full sweep", ""]
+    lines += ["", "## How to read it", "", DEFINITIONS, "## Duration of the full sweep", ""]
+    per_seed = len({(e, name) for e, name, _ in read_plan(out)} or {(r["experiment"], r["run"]) for r in runs})
     if any("cpu" not in r["device"] for r in runs):
         gpu_runs = [r for r in runs if "cpu" not in r["device"]]
         lines.append(estimate_markdown(gpu_runs, 200, 3))
@@ -516,7 +598,7 @@ def write_report(out: Path, report_dir: Path) -> Path:
             "    ./sweep.sh --seeds 1 --scale study --out runs/timing -- --total-steps 12 --eval-every 6\n"
             "    python report.py --estimate runs/timing --steps 200 --seeds 3\n\n"
             "per run: steps x s/step + MC measurements x s/MC + evaluations x s/eval + the test + the rest "
-            "(offline DPO's pair sampling); summed over the 17 runs of one seed, times the seeds."
+            f"(offline DPO's pair sampling); summed over the {per_seed} runs of one seed, times the seeds."
         )
     text = "\n".join(lines) + "\n"
     (report_dir / "report.md").write_text(text)

@@ -339,6 +339,7 @@ def reference(o: Options, run: Run) -> Path:
 # ======================================================================================================
 
 EXIT_NO_SIGNAL = 3  # preflight.py's: the model lacks the signal the study needs
+SMALLEST_EFFECT = 0.05  # preflight.py's default --smallest-effect (this file imports no torch, so not preflight)
 
 
 def preflight_command(
@@ -356,7 +357,15 @@ def preflight_command(
     trainer = command(o, run, smoke, None)
     cmd = [PYTHON, str(REPO / "preflight.py"), "--out", str(o.out)]
     cmd += ["--prompts", str(o.preflight_prompts)] if o.preflight_prompts else []
+    # --smoke: its measurement (2 prompt states) tells no effect apart; the preflight checks that there is signal
+    cmd += ["--smallest-effect", "0"] if o.smoke else []
     return cmd + ["--", *trainer[trainer.index(script) :]]
+
+
+def preflight_effect(cmd: list[str]) -> float:
+    """The smallest effect a preflight command asks for (preflight.py's default where it names none)."""
+    flags = cmd[: cmd.index("--")]
+    return float(flags[flags.index("--smallest-effect") + 1]) if "--smallest-effect" in flags else SMALLEST_EFFECT
 
 
 def run_preflight(o: Options, cmd: list[str], reuse: bool) -> int:
@@ -369,7 +378,8 @@ def run_preflight(o: Options, cmd: list[str], reuse: bool) -> int:
             old = json.loads(path.read_text())
         except ValueError:
             old = None
-    if isinstance(old, dict) and old.get("command") == cmd[cmd.index("--") + 1 :] and "passed" in old:
+    same = isinstance(old, dict) and old.get("command") == cmd[cmd.index("--") + 1 :]
+    if same and "passed" in old and old.get("smallest_effect") == preflight_effect(cmd):  # written by this rule
         print(f"{old.get('verdict', 'preflight')} (reused from {path})", flush=True)
         rc = 0 if old["passed"] else EXIT_NO_SIGNAL
     else:
@@ -382,16 +392,25 @@ def refusal(o: Options) -> str:
     """The line that stops a sweep the preflight refused: its numbers, the threshold, the ways on."""
     try:
         p = json.loads((o.out / "preflight.json").read_text())
-        numbers = (
-            f"informative {p['informative']:.2f} < {p['threshold']['informative']:g} "
-            f"({p['informative_prompts']} of {p['prompts']} prompts x {p['samples_per_prompt']} with 0 < p < 1; "
-            f"pass rate {p['pass_rate']:.3f}, signal {p['signal']:.4f})"
+        half = p["predicted"].get("half_width_3_seeds")
+        counts = (
+            f"informative share {p['informative']:.2f}: {p['informative_prompts']} of {p['prompts']} prompts x "
+            f"{p['samples_per_prompt']} with 0 < p < 1; pass rate {p['pass_rate']:.3f}, outcome variance "
+            f"{p['signal']:.4f}"
         )
-    except (OSError, ValueError, KeyError, TypeError):
+        if half is None:
+            numbers = f"no standard error to predict ({counts})"
+        else:
+            numbers = (
+                f"GRPO's nmse at the prompt +- {half:.3f} over 3 seeds (predicted), wider than the smallest effect "
+                f"{p['smallest_effect']:g} ({counts})"
+            )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         numbers = "too little signal"
     return (
         f"sweep: not started: the preflight ({o.out / 'preflight.json'}) found {numbers}: too few prompts where a "
-        "baseline can matter to tell the baselines apart; choose a model that solves part of the task, or --force"
+        "baseline can matter to tell the baselines apart; choose a model that solves part of the task, more "
+        "measurement (--mc-prompts, --mc-every), or --force"
     )
 
 

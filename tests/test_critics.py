@@ -9,6 +9,7 @@ from plumbing import distributed, models, rollout
 
 # The table in critics.py's docstring, copied as numbers; the tests below recompute each from the shapes.
 DOCSTRING_TABLE = {
+    896: {"none": 0, "small": 57_473, "medium": 459_777, "large": 919_553, "full": 494_033_665},
     576: {"none": 0, "small": 36_993, "medium": 295_937, "large": 591_873, "full": 134_515_585},
     64: {"none": 0, "small": 4_225, "medium": 33_793, "large": 67_585, "full": 3_219_841},
 }
@@ -44,7 +45,7 @@ def _policy_on_meta(spec):
         return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("H", [64, 576])
+@pytest.mark.parametrize("H", [64, 576, 896])
 def test_head_parameter_counts(H):
     counts = {name: distributed.count_params(build_critic(name, H)) for name in ("none", "small", "medium", "large")}
     for name in ("small", "medium", "large"):
@@ -52,6 +53,20 @@ def test_head_parameter_counts(H):
     assert counts["none"] == 0 == DOCSTRING_TABLE[H]["none"]
     assert counts["none"] < counts["small"] < counts["medium"] < counts["large"]
     assert 1.8 <= counts["large"] / counts["medium"] <= 2.2
+    assert counts["large"] == 2 * counts["medium"] - 1  # twice the width: (H + 2) n + 1 parameters at width n
+
+
+def test_the_study_models_full_critic_parameter_count():
+    """Qwen2.5-0.5B-Instruct's shapes (estimate.MODEL_SHAPES; tied embeddings, q/k/v biases), on the meta device:
+    the full critic is its whole trunk, 494,032,768 parameters, and an H + 1 head, as critics.py's table says."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    with torch.device("meta"):
+        policy = AutoModelForCausalLM.from_config(config)
+    assert distributed.count_params(policy) == 494_032_768
+    assert distributed.count_params(build_critic("full", 896, policy)) == DOCSTRING_TABLE[896]["full"]
 
 
 @pytest.mark.parametrize("spec", [SMOLLM2_135M, TINY], ids=["H576", "H64"])

@@ -27,6 +27,7 @@ from helpers import (
 
 import common
 import gsm8k
+import read_runs
 from plumbing import checkpoint, models, rollout
 
 # Four pairs (offline) or four prompts (online) a step, K = 4 samples of up to 8 tokens, 8 offline prompts.
@@ -109,6 +110,28 @@ def test_each_mode_runs_two_steps(dpo_run, mode):
         for p in pairs:
             assert set(p) == {"prompt", "chosen", "rejected", "ref_chosen", "ref_rejected"}
     check_checkpoint(run_dir, step=2)
+
+
+@pytest.mark.parametrize("mode", ["gold offline sigmoid", "self online sigmoid"])
+def test_each_mode_records_what_its_flops_need(dpo_run, mode):
+    """results.json holds the policy's parameters, the tokens trained (each real pair's chosen and rejected tokens,
+    times the epochs) and the tokens the reference scored (every cached pair once, offline; each step's pairs,
+    online), so that read_runs.flops_estimate fills every part for DPO as for PPO and GRPO."""
+    run_dir = dpo_run(mode)
+    res = json.loads((run_dir / "results.json").read_text())
+    epochs = res["args"]["update_epochs"]
+    assert res["policy_params"] > 0 and res["trained_tokens"] > 0 and res["reference_tokens"] > 0
+    if "offline" in mode:  # the pairs the sampler dealt to the two steps, and every cached pair for the reference
+        pairs = read_pairs(run_dir)
+        sampler = gsm8k.PromptSampler(len(pairs), res["args"]["seed"])
+        dealt = [pairs[i] for _ in range(2) for i in sampler.next(DPO_TINY["batch-size"])]
+        assert res["trained_tokens"] == epochs * sum(len(p["chosen"]) + len(p["rejected"]) for p in dealt)
+        assert res["reference_tokens"] == sum(len(p["chosen"]) + len(p["rejected"]) for p in pairs)
+    else:  # the reference scores each step's pairs once, the update takes them epochs times
+        assert res["trained_tokens"] == epochs * res["reference_tokens"]
+    flops = read_runs.flops_estimate(res, res["args"])
+    assert all(is_finite(flops[k]) for k in read_runs.FLOPS_PARTS), flops
+    assert flops["reference"] == 2 * res["policy_params"] * res["reference_tokens"] and flops["critic"] == 0
 
 
 def test_offline_resume_reuses_the_cached_pairs(dpo_run, tmp_path):

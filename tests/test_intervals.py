@@ -14,7 +14,9 @@ import measure
 from plumbing import models
 
 
-def _grpo_on_a_value_process(d: float, n: int = 20000, G: int = 8, K: int = 8, seed: int = 0) -> dict:
+def _grpo_on_a_value_process(
+    d: float, n: int = 20000, G: int = 8, K: int = 8, seed: int = 0, own: bool = False
+) -> dict:
     """GRPO's leave-one-out mean scored by baseline_error_by_state on a value process where the share d of the
     outcome's variance resolved at the inside state is known: with probability d the state already holds the
     outcome (V(s_t) = R), else it holds nothing yet (V(s_t) = p). Var(V(s_t) - p) = d p (1 - p)."""
@@ -27,8 +29,9 @@ def _grpo_on_a_value_process(d: float, n: int = 20000, G: int = 8, K: int = 8, s
     truth = torch.cat([p, v_inside])  # [2n] the prompt states, then one state inside each completion
     returns = (torch.rand(2 * n, K, generator=g, dtype=torch.float64) < truth[:, None]).double()  # [2n, K]
     t = torch.cat([torch.zeros(n), torch.full((n,), 5.0)]).long()
+    b = (outcome + (G - 1) * loo) / G if own else loo  # own: the group mean, the completion's own reward in it
     return measure.baseline_error_by_state(
-        torch.cat([loo, loo]), returns.mean(-1), K, t, groups=torch.arange(2 * n) % n, mc_var=returns.var(-1)
+        torch.cat([b, b]), returns.mean(-1), K, t, groups=torch.arange(2 * n) % n, mc_var=returns.var(-1)
     )
 
 
@@ -44,6 +47,18 @@ def test_grpo_reads_one_over_g_minus_one_at_the_prompt_and_more_inside(d):
     # every state together: sums of both parts, so between the two
     assert parts["_prompt"]["nmse"] < parts[""]["nmse"] < parts["_inside"]["nmse"]
     assert parts[""]["n"] == parts["_prompt"]["n"] + parts["_inside"]["n"]
+
+
+@pytest.mark.parametrize("d", [0.3, 0.6])
+def test_the_group_mean_reads_one_over_g_at_the_prompt_and_more_inside(d):
+    """GRPO's group mean with the completion's own reward in it (mc/group, runs.csv nmse_group_mean): 1/G at the
+    prompt; inside, (1 + (G-2) d) / (G (1 - d)): 0.50 at d = 0.3 and 1.44 at d = 0.6 for G = 8, below the
+    leave-one-out mean's (1/(G-1) + d) / (1 - d) only because it holds that completion's own outcome."""
+    G = 8
+    parts = _grpo_on_a_value_process(d, G=G, own=True)
+    assert parts["_prompt"]["nmse"] == pytest.approx(1 / G, rel=0.08)
+    assert parts["_inside"]["nmse"] == pytest.approx((1 + (G - 2) * d) / (G * (1 - d)), rel=0.08)
+    assert parts["_inside"]["nmse"] < _grpo_on_a_value_process(d, G=G)["_inside"]["nmse"]
 
 
 def test_a_shaped_return_leaves_the_signal_to_the_scores():
@@ -115,7 +130,7 @@ def test_paired_seed_difference_is_the_mean_of_the_seeds_and_never_certain():
         intervals.paired_seed_difference([[1, 0]], [[1, 0, 1]])
 
 
-def _nmse_sums(reps: int, S: int, M: int, N: int, K: int, seed_sd: float, seed: int = 0):
+def _nmse_sums(reps: int, S: int, M: int, N: int, K: int, seed_sd: float, seed: int = 0, sigma: float = 0.05):
     """Per (rep, seed, measurement): the noise-corrected numerator and denominator of nmse for a critic whose
     error sd has a per-seed log-normal factor (the run-level effect), at a small success rate (p ~ Beta(0.3, 3):
     few mixed states, the skewed case). Returns num, den [reps, S, M] and the true pooled nmse."""
@@ -124,12 +139,12 @@ def _nmse_sums(reps: int, S: int, M: int, N: int, K: int, seed_sd: float, seed: 
     p = torch.distributions.Beta(torch.tensor(a), torch.tensor(b)).sample((reps, S, M, N)).double()
     returns = (torch.rand(reps, S, M, N, K, generator=g, dtype=torch.float64) < p[..., None]).double()
     p_hat, s2 = returns.mean(-1), returns.var(-1)
-    sigma = 0.05 * torch.exp(seed_sd * torch.randn(reps, S, 1, 1, generator=g, dtype=torch.float64))
-    pred = p + sigma * torch.randn(reps, S, M, N, generator=g, dtype=torch.float64)
+    sd = sigma * torch.exp(seed_sd * torch.randn(reps, S, 1, 1, generator=g, dtype=torch.float64))
+    pred = p + sd * torch.randn(reps, S, M, N, generator=g, dtype=torch.float64)
     num = ((pred - p_hat) ** 2 - s2 / K).sum(-1)  # [reps, S, M] as baseline_error's sum_sq_err_nc
     den = s2.sum(-1)  # [reps, S, M] sum_signal_var
     e_pq = a / (a + b) - a * (a + 1) / ((a + b) * (a + b + 1))  # E[p (1 - p)]
-    return num, den, 0.05**2 * math.exp(2 * seed_sd**2) / e_pq
+    return num, den, sigma**2 * math.exp(2 * seed_sd**2) / e_pq
 
 
 def test_nmse_interval_over_seeds_covers_95_percent_with_a_run_level_effect():
@@ -149,6 +164,49 @@ def test_nmse_interval_over_seeds_covers_95_percent_with_a_run_level_effect():
         measurements_ok += lo <= truth <= hi
     assert 0.92 <= seeds_ok / reps <= 0.98, seeds_ok / reps
     assert measurements_ok / reps < 0.85, measurements_ok / reps
+
+
+def test_nmse_interval_over_seeds_under_covers_a_skewed_seed_effect():
+    """What ratio_interval's docstring and docs/measurement.md state: with the critic's error sd differing between
+    seeds by a log-normal factor of sd 0.5 (its error variance by a factor of e), 3 seeds cover ~86%, not 95%."""
+    torch.manual_seed(0)
+    reps = 1000
+    num, den, truth = _nmse_sums(reps, S=3, M=10, N=50, K=8, seed_sd=0.5)
+    ok = 0
+    for r in range(reps):
+        _, lo, hi = intervals.ratio_interval(num[r].sum(-1).tolist(), den[r].sum(-1).tolist())
+        ok += lo <= truth <= hi
+    assert 0.82 <= ok / reps <= 0.90, ok / reps
+
+
+@pytest.mark.parametrize("seed_sd", [0.0, 0.25])
+def test_the_difference_of_two_nmse_covers_95_percent_paired_by_seed(seed_sd):
+    """A critic's nmse minus GRPO's, each pooled over 3 seeds (intervals.ratio_difference_interval: the linearised
+    residuals of both ratios, paired by seed, t with 2 dof), covers the true difference in ~95% of simulations, with
+    and without a seed effect on the critic; with one seed (intervals over each run's 10 measurements, Welch's dof)
+    it covers ~95% of what that seed's runs would read again, and nothing about other seeds."""
+    torch.manual_seed(1)
+    reps = 1000
+    num_c, den_c, truth_c = _nmse_sums(reps, S=3, M=10, N=50, K=8, seed_sd=seed_sd, seed=1)
+    num_g, den_g, truth_g = _nmse_sums(reps, S=3, M=10, N=50, K=8, seed_sd=0.0, seed=2, sigma=0.1)
+    truth = truth_c - truth_g
+    seeds_ok = one_ok = 0
+    for r in range(reps):
+        d, lo, hi = intervals.ratio_difference_interval(
+            num_c[r].sum(-1).tolist(), den_c[r].sum(-1).tolist(), num_g[r].sum(-1).tolist(), den_g[r].sum(-1).tolist()
+        )
+        assert d == pytest.approx(float(num_c[r].sum() / den_c[r].sum() - num_g[r].sum() / den_g[r].sum()))
+        seeds_ok += lo <= truth <= hi
+        if seed_sd == 0:  # one seed's runs: their measurements as units, the two runs unpaired
+            _, lo, hi = intervals.ratio_difference_interval(
+                num_c[r, 0].tolist(), den_c[r, 0].tolist(), num_g[r, 0].tolist(), den_g[r, 0].tolist(), paired=False
+            )
+            one_ok += lo <= truth <= hi
+    assert 0.92 <= seeds_ok / reps <= 0.98, seeds_ok / reps
+    if seed_sd == 0:
+        assert 0.92 <= one_ok / reps <= 0.98, one_ok / reps
+    nan = intervals.ratio_difference_interval([1.0], [2.0], [1.0], [4.0])
+    assert nan[0] == pytest.approx(0.25) and math.isnan(nan[1]) and math.isnan(nan[2]), "one seed each: no interval"
 
 
 def test_ratio_interval_is_centred_on_the_pooled_ratio_and_never_certain():

@@ -321,6 +321,26 @@ def test_lr_factor_endpoints(warmup):
     assert common.lr_factor(total + 50, warmup, total, "linear") == pytest.approx(0.0, abs=1e-12)  # stays at 0
 
 
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_a_schedule_that_follows_a_budget_is_the_step_schedule_of_the_steps_the_budget_takes(schedule):
+    """--token-budget: the decay reads the share of the budget spent (common.BudgetProgress), not the optimiser step
+    over --total-steps. With the same tokens every step it is the step schedule of the steps the budget takes, however
+    large the step cap; with fewer tokens a step it stretches over more steps and ends where the budget does."""
+    J, steps, per_step = 8, 5, 100.0  # optimiser steps a training step; the budget: 5 steps of 100 tokens
+    budget = common.BudgetProgress(int(steps * per_step), J)
+    factor = common.lr_schedule(schedule, 0, 10 * steps * J, budget)  # the schedule's own length: the step cap
+    got = [factor(0)]
+    for s in range(steps):
+        budget.start_step(s * per_step, per_step, s * J)
+        got += [factor(k) for k in range(s * J + 1, (s + 1) * J + 1)]  # LambdaLR: after each optimiser step
+    want = [common.lr_factor(k, 0, steps * J, schedule) for k in range(steps * J + 1)]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert got[-1] == pytest.approx(0.0, abs=1e-12) and common.lr_factor(steps * J, 0, 10 * steps * J, schedule) > 0.8
+    half = common.BudgetProgress(int(steps * per_step), J)  # half the tokens a step: twice the steps, same ends
+    half.start_step(4.5 * per_step, per_step / 2, 9 * J)
+    assert common.lr_schedule(schedule, 0, 10 * steps * J, half)(10 * J) == pytest.approx(0.0, abs=1e-12)
+
+
 @pytest.mark.parametrize("step", [0, 5, 50])
 def test_lr_factor_unknown_schedule_fails_at_any_step(step):
     # LambdaLR calls the factor at step 0: a mistyped schedule must fail there, not after warmup

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import math
 import os
 import re
 import shutil
@@ -95,6 +96,32 @@ def test_the_head_to_head_is_matched_in_generated_tokens(smoke):
         if name != "dpo-gold-offline":  # offline DPO trains for the reference's steps; the others until the budget
             assert res["args"]["total_steps"] == 10 * ref["steps"]
             assert res["steps"] < res["args"]["total_steps"]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py", "dpo.py"])
+def test_a_budget_matched_runs_cosine_schedule_ends_with_its_budget(tmp_path, script):
+    """The head-to-head's runs stop on --token-budget under a step cap of 10x GRPO's steps. Their learning rate
+    follows the budget: after each step it is the cosine of the share of the budget spent (generated_tokens / budget),
+    and 0 once it is spent, not the start of a cosine stretched over the cap."""
+    budget, lr = 200, 1e-5
+    flags = ["--model", "tiny", "--batch-size", "4", "--max-new-tokens", "16", "--micro-batch-size",
+             "4", "--eval-every", "0", "--eval-size", "4", "--test-size", "4", "--eval-max-new-tokens", "4",
+             "--token-budget", str(budget), "--total-steps", "40", "--lr", str(lr), "--lr-schedule", "cosine",
+             "--run-dir", str(tmp_path / "run"), "--no-progress"]  # fmt: skip
+    flags += {"grpo.py": ["--task", "toy", "--group-size", "2", "--num-minibatches", "2", "--mc-every", "0"],
+              "ppo.py": ["--task", "toy", "--num-minibatches", "2", "--mc-every", "0"],
+              "dpo.py": ["--online", "--pairs", "gold", "--samples-per-prompt", "2"]}[script]  # fmt: skip
+    check_ok(run_here(script, flags))
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "lr" in r]
+    assert 2 <= len(rows) < 40 and rows[-1]["generated_tokens"] >= budget > rows[-2]["generated_tokens"]
+    for r in rows:
+        share = min(1.0, r["generated_tokens"] / budget)
+        assert r["lr"] == pytest.approx(lr * 0.5 * (1 + math.cos(math.pi * share)), rel=1e-6, abs=1e-15), r
+    assert rows[-1]["lr"] == pytest.approx(0.0, abs=1e-15)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_a_second_invocation_skips_finished_runs(smoke):
