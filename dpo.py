@@ -237,8 +237,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
     guard = runtime.FiniteGuard(policy)  # a non-finite loss or gradient skips the step; a second stops
     per_step = args.update_epochs  # optimiser steps a training step
-    budget = common.BudgetProgress(args.token_budget, per_step) if args.token_budget and args.online else None
-    lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps, budget)
+    progress = common.BudgetProgress(args.token_budget, per_step) if args.token_budget and args.online else None
+    lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps, progress)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     online = "online" if args.online else "offline"
     banner = {
@@ -462,9 +462,9 @@ def main() -> None:
         ref_r = torch.tensor([p["ref_rejected"] for p in pairs], device=device)  # [N]
 
         # --- 4. update: update_epochs optimiser steps over the step's pairs ----------------------------------
-        if budget is not None:  # online: the schedule follows the token budget: this step's sampled tokens, all ranks
+        if progress is not None:  # online: the schedule follows the token budget: this step's sampled tokens, all ranks
             spent = distributed.all_reduce_sum(torch.as_tensor(sums["sampled/response_len"]).double()).item()
-            budget.start_step(counters["generated_tokens"], spent, scheduler.last_epoch)
+            progress.start_step(counters["generated_tokens"], spent, scheduler.last_epoch)
         t_update = time.time()
         N = len(pairs)
         for _epoch in range(args.update_epochs):

@@ -298,8 +298,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay, eps=1e-8)
     guard = runtime.FiniteGuard(policy, critic)  # a non-finite loss or gradient skips the step; a second stops
     per_step = args.update_epochs * args.num_minibatches  # optimiser steps a training step
-    budget = common.BudgetProgress(args.token_budget, per_step) if args.token_budget else None  # the decay's length
-    lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps, budget)
+    progress = common.BudgetProgress(args.token_budget, per_step) if args.token_budget else None  # the decay's length
+    lr_factor = common.lr_schedule(args.lr_schedule, args.warmup_steps, args.optimizer_steps, progress)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     banner = {
         "critic": f"{args.critic} ({distributed.count_params(critic):,} trainable parameters)",
@@ -452,9 +452,9 @@ def main() -> None:
             metrics["mc/seconds"] = time.time() - t_mc
 
         # --- 6. update: update_epochs passes of num_minibatches optimiser steps over the same global rows -----
-        if budget is not None:  # the schedule follows the token budget: this step's rollout tokens, on all ranks
+        if progress is not None:  # the schedule follows the token budget: this step's rollout tokens, on all ranks
             spent = distributed.all_reduce_sum(lengths.sum().double()).item()
-            budget.start_step(counters["generated_tokens"], spent, scheduler.last_epoch)
+            progress.start_step(counters["generated_tokens"], spent, scheduler.last_epoch)
         t_update = time.time()
         B = len(prompts)
         warm = step < args.critic_warmup_steps  # value-only updates: the policy stays where it is
