@@ -17,7 +17,7 @@
 # Every log and JSON goes under $OUT when set, else bench/out: env.txt, <part>.log, parts.tsv, throughput.json
 # (and the trainers' logs under $OUT/work).
 # --tiny: the same parts on the CPU with the tiny model at toy sizes (what tests/test_bench.py rehearses).
-# PYTHON: the interpreter (default python3; the tests pass their fork server's, tests/forkserver.py).
+# PYTHON: the interpreter (default python3; the tests pass theirs).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 out=${OUT:-bench/out}
@@ -68,7 +68,7 @@ part() {
 }
 
 part a_probe "${T_A:-30}" "$py" bench/probe_rng.py "$json"
-part b_tests "${T_B:-150}" "$py" -m pytest tests/test_engine.py -k cuda -q -x -p no:cacheprovider
+part b_tests "${T_B:-150}" "$py" -m pytest tests/test_engine.py -k cuda -q -x -p no:cacheprovider -n 0  # one process
 part c_generate "${T_C:-150}" "${tp[@]}" --sections generate --variants engine,engine_no_compile
 # shellcheck disable=SC2086  # BENCH_ARGS: extra flags, split into words on purpose
 part d_train "${T_D:-240}" "${tp[@]}" --sections grpo,ppo,toy "${rise[@]}" ${BENCH_ARGS:-}

@@ -2,9 +2,8 @@
 it with the earlier parts' numbers kept), a failed trainer's step times kept, the toy run's reward rise, and the
 TRL settings and caveats printed beside the ratio.
 
-The trainers' part (d) is killed by its limit in the rehearsal (3 s): a full one takes 29 s on 2 CPU cores with
-new interpreters, 10 s through the tests' fork server (2026-12-02; `T_D=300 bash bench/run_gpu.sh --tiny` runs
-it). TRL is not assumed installed: its part records a skip.
+The trainers' part (d) is killed by its limit in the rehearsal (3 s): a full one takes 29 s on 2 CPU cores
+(2026-12-02; `T_D=300 bash bench/run_gpu.sh --tiny` runs it). TRL is not assumed installed: its part records a skip.
 """
 
 from __future__ import annotations
@@ -23,17 +22,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import throughput  # noqa: E402
 import trl_grpo  # noqa: E402
-from helpers import python, trainer_env  # noqa: E402
+from helpers import trainer_env  # noqa: E402
 
 from plumbing import models, static_engine  # noqa: E402
 
 
 def _env() -> dict:
-    """The trainers' environment (helpers.trainer_env), and the fork server's interpreter as run_gpu.sh's PYTHON."""
-    return {**trainer_env(), "PYTHON": python()}
+    """The trainers' environment (helpers.trainer_env), and this interpreter as run_gpu.sh's PYTHON."""
+    return {**trainer_env(), "PYTHON": sys.executable}
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_run_gpu_flow_tiny_cpu_keeps_the_parts_before_one_killed_by_its_limit(tmp_path):
     """Every part of run_gpu.sh on the CPU; part d (the trainers) is killed by a 3 s limit: the numbers of
@@ -176,7 +174,7 @@ def test_trl_settings_that_differ_from_grpo_are_listed():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of --device auto without a GPU")
 def test_default_device_without_a_gpu_is_the_cpu(tmp_path):
     out = tmp_path / "throughput.json"
-    cmd = [python(), "bench/throughput.py", "--tiny", "--sections", "check", "--out", str(out)]
+    cmd = [sys.executable, "bench/throughput.py", "--tiny", "--sections", "check", "--out", str(out)]
     cmd += ["--work-dir", str(tmp_path / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -166,7 +166,7 @@ def test_a_damaged_checkpoint_is_refused_and_left_in_place(finished_run, tmp_pat
     before = tree_digest(run_dir)
     args = cli(run_dir, **SMALL_RUN, resume=True)
     if damage in SUBPROCESS:  # a new interpreter for a few: stderr as a user sees it
-        proc = run_trainer("ppo.py", args, fresh=True)
+        proc = run_trainer("ppo.py", args)
     else:
         proc = run_here("ppo.py", args)
     line = check_one_error_line(proc)
@@ -234,7 +234,6 @@ def load_final(run_dir: Path) -> tuple[dict, dict]:
     return load_file(ckpt / "policy" / "model.safetensors"), load_file(ckpt / "critic.safetensors")
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"

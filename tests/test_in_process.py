@@ -23,12 +23,11 @@ def untimed(run_dir) -> list[dict]:
     return [{k: v for k, v in row.items() if not any(t in k for t in TIMES)} for row in read_metrics(run_dir)]
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, monkeypatch):
     fresh = tmp_path / "fresh"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the fresh process's threads, as threads=1 below
-    check_ok(run_trainer("ppo.py", cli(fresh, **RUN), fresh=True))  # a new interpreter, not the fork server's
+    check_ok(run_trainer("ppo.py", cli(fresh, **RUN)))  # a new interpreter
     torch.set_num_threads(2)
     random.seed(7)
     torch.manual_seed(7)
