@@ -8,7 +8,10 @@ The trainers' part (d) is killed by its limit in the rehearsal (3 s): a full one
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import subprocess
 import sys
 import types
@@ -22,7 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import throughput  # noqa: E402
 import trl_grpo  # noqa: E402
-from helpers import trainer_env  # noqa: E402
+from helpers import process_state, trainer_env  # noqa: E402
 
 from plumbing import models, static_engine  # noqa: E402
 
@@ -172,12 +175,18 @@ def test_trl_settings_that_differ_from_grpo_are_listed():
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of --device auto without a GPU")
-def test_default_device_without_a_gpu_is_the_cpu(tmp_path):
+def test_default_device_without_a_gpu_is_the_cpu(tmp_path, monkeypatch):
     out = tmp_path / "throughput.json"
-    cmd = [sys.executable, "bench/throughput.py", "--tiny", "--sections", "check", "--out", str(out)]
-    cmd += ["--work-dir", str(tmp_path / "work")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = ["throughput.py", "--tiny", "--sections", "check", "--out", str(out), "--work-dir", str(tmp_path / "work")]
+    printed, code = io.StringIO(), None
+    with process_state(), contextlib.redirect_stdout(printed):  # `python bench/throughput.py ...`, in this process
+        monkeypatch.setattr(sys, "argv", argv)
+        os.environ.update(trainer_env())
+        try:
+            throughput.main()
+        except SystemExit as e:
+            code = e.code
+    assert code in (None, 0), f"exit {code}\n{printed.getvalue()[-3000:]}"  # exit 0
     report = json.loads(out.read_text())
     assert "cpu" in json.dumps(report["device"]).lower() and "check" in report["sections"]
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_ok, cli, command, run_here, signal_at, trainer_env, wait_for_first_step
+from helpers import REPO, check_ok, cli, run_here, signal_at, trainer_env, wait_for_first_step
 
 import gsm8k
 from plumbing import checkpoint, models
@@ -316,8 +316,6 @@ def rank_pid(tag: str, rank: int, timeout: float = 60) -> int:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's pid through /proc (Linux)")
 def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, data_dir):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    straight_run = start(command("ppo.py", flags(straight, data_dir, **SIGTERM_RUN)))  # alongside
-
     tag = uuid.uuid4().hex
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     with open(tmp_path / "split.log", "w") as log:
@@ -335,7 +333,7 @@ def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, d
                 proc.kill()
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
-    check_ok(finish(straight_run))
+    check_ok(one_process("ppo.py", flags(straight, data_dir, **SIGTERM_RUN)))  # the straight run
     stopped_at = json.loads((split / checkpoint.CHECKPOINT / "state.json").read_text())["counters"]["step"]
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert f"stopped by a signal on another rank after step {stopped_at}" in out, out[-3000:]
