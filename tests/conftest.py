@@ -118,16 +118,17 @@ SLOW_TOO = {
 
 # The files whose tests run in one xdist worker, one after another in their order, and first: test_sweep.py's read
 # the smoke sweep (smoke_sweep above), a session fixture, which would otherwise run once in every worker that reads
-# it. An `xdist_group` mark would say this test by test, but with pytest 9.2 it no longer reaches xdist's scheduler
-# (pytest-xdist issue #1386: the group travels in the node id, which pytest now builds from its parts), so the
-# scheduler below groups by file.
-ONE_WORKER = ("tests/test_sweep.py",)
+# it; test_distributed.py's share its module fixtures (the equal-length data, the one-process PPO run two tests
+# compare with), and its torchruns then never run beside one another. An `xdist_group` mark would say this test by
+# test, but with pytest 9.2 it no longer reaches xdist's scheduler (pytest-xdist issue #1386: the group travels in
+# the node id, which pytest now builds from its parts), so the scheduler below groups by file.
+ONE_WORKER = ("tests/test_sweep.py", "tests/test_distributed.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown, and unused, without it
 def pytest_xdist_make_scheduler(config, log):
     """--dist loadgroup (pyproject.toml's addopts), with each file in ONE_WORKER one unit of work. xdist hands out
-    the largest units first, so the smoke sweep starts as the session does; every other test is its own unit."""
+    the units with the most tests first, so these start as the session does; every other test is its own unit."""
     if config.getvalue("dist") != "loadgroup":
         return None  # another --dist: xdist's own scheduler
     from xdist.scheduler import LoadGroupScheduling
@@ -141,13 +142,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Slow: a test that reads the smoke sweep (the sweep is minutes), whichever file it is in, and SLOW_TOO. A
-    test that reads it must be in a file of ONE_WORKER, so that the sweep runs once in the session."""
+    """Slow: a test that reads the smoke sweep (the sweep is minutes), whichever file it is in, and SLOW_TOO."""
     for item in items:
         if "smoke_sweep" in getattr(item, "fixturenames", ()):  # directly or through another fixture
             item.add_marker(pytest.mark.slow)
-            if item.nodeid.split("::", 1)[0] not in ONE_WORKER:
-                raise pytest.UsageError(f"{item.nodeid} reads the smoke sweep: put it in one of {ONE_WORKER}")
         name = item.nodeid.split("/")[-1]
         if any(name.startswith(prefix) for prefix in SLOW_TOO):
             item.add_marker(pytest.mark.slow)
