@@ -28,7 +28,7 @@
 # (and the trainers' logs under $OUT/work; part q's runs under $OUT/q).
 # --tiny: the same parts on the CPU with the tiny model at toy sizes (what tests/test_bench.py rehearses); part q
 # with the tiny random Qwen2 (tiny-qwen2, whatever QWEN_GGUF says; Q_MODEL=FILE.gguf picks another model).
-# PYTHON: the interpreter (default python3; the tests pass their fork server's, tests/forkserver.py).
+# PYTHON: the interpreter (default python3; the tests pass theirs).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 out=${OUT:-bench/out}
@@ -90,7 +90,7 @@ part() {
 }
 
 part a_probe "${T_A:-30}" "$py" bench/probe_rng.py "$json"
-part b_tests "${T_B:-150}" "$py" -m pytest tests/test_engine.py -k cuda -q -x -p no:cacheprovider
+part b_tests "${T_B:-150}" "$py" -m pytest tests/test_engine.py -k cuda -q -x -p no:cacheprovider -n 0  # one process
 part c_generate "${T_C:-150}" "${tp[@]}" --sections generate --variants engine,engine_no_compile
 # shellcheck disable=SC2086  # BENCH_ARGS: extra flags, split into words on purpose
 part d_train "${T_D:-240}" "${tp[@]}" --sections grpo,ppo,toy "${rise[@]}" ${BENCH_ARGS:-}

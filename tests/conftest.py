@@ -2,7 +2,10 @@
 one-step run, and the smoke sweep (run once per session).
 
 Markers (pyproject.toml): `packaged` (the packaged SmolLM2 model), `slow` (the tests the fast lane,
-`python -m pytest -q -m "not slow"`, leaves out: torchrun, the smoke sweep, learning tests, long subprocesses)."""
+`python -m pytest -q -m "not slow"`, leaves out: torchrun, the smoke sweep, learning tests, long subprocesses).
+
+pytest-xdist runs the tests on every core (pyproject.toml: `-n auto --dist loadgroup`). A session fixture runs
+once in each worker that uses it: the tests that read the smoke sweep run in one worker (ONE_WORKER, below)."""
 
 import os
 import sys
@@ -17,18 +20,13 @@ sys.path.insert(0, str(ROOT))  # import common, engine, runtime, critics from th
 os.environ.setdefault("GSM8K_DIR", str(ROOT / ".." / "shared" / "data" / "gsm8k"))
 
 
-def pytest_configure(config):
-    import background
-
-    config.pluginmanager.register(background.Plugin(), "rlvr-background")
-
-
 def pytest_sessionstart(session):
-    """pytest's own process as the tests' subprocesses run (helpers.trainer_env): glibc's malloc keeps what torch
-    frees for reuse, rather than mapping every large tensor (a step's logits) afresh and faulting its pages in
-    (a tiny PPO run spent a third of its time in the kernel doing that: 5.9 s of 16.4; 1.1 s of 12.2 without), and
-    torch on one thread. The tiny model gains little from a second (and two threads spin while they wait), and the
-    other core runs the background pytest (tests/background.py), a torchrun's ranks, a trainer subprocess."""
+    """Each process that runs tests (an xdist worker, or pytest's own with -n 0), as helpers.trainer_env sets it for
+    the tests' subprocesses: glibc's malloc keeps what torch frees for reuse, rather than mapping every large tensor
+    (a step's logits) afresh and faulting its pages in (a tiny 3-step PPO run on one thread: 5.5-5.9 s of 17.5-19.9
+    CPU seconds in the kernel without, 1.2 s of 12.5-13.0 with; 2026-12-03, 2 cores shared with other work), and
+    torch on one thread: the workers, one a core, and the subprocesses they start share the cores (two threads spin
+    while they wait)."""
     import ctypes
 
     import torch
@@ -37,9 +35,6 @@ def pytest_sessionstart(session):
     libc.mallopt(-4, 0)  # M_MMAP_MAX: no mmap, so MALLOC_MMAP_MAX_=0 as trainer_env sets it
     libc.mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: MALLOC_TRIM_THRESHOLD_
     torch.set_num_threads(1)
-    from helpers import start_server
-
-    start_server()  # the fork server imports torch and transformers while pytest collects the tests
 
 
 @pytest.fixture(scope="session")
@@ -68,9 +63,9 @@ def finished_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smoke_sweep(tmp_path_factory):
-    """`./sweep.sh --smoke` once per session (about half a minute on 2 cores): (its OUT folder, the finished
-    process, seconds). Tests read it, and copy what they change; a test that uses it is slow by nature, and runs
-    in the background process (tests/background.py) with the others that read it."""
+    """`./sweep.sh --smoke` once per session: (its OUT folder, the finished process, seconds). Tests read it, and
+    copy what they change; a test that uses it is slow by nature, and is in tests/test_sweep.py, whose tests run
+    in one xdist worker (ONE_WORKER)."""
     import time
 
     from helpers import check_ok, run_sweep
@@ -121,13 +116,36 @@ SLOW_TOO = {
 }
 
 
+# The files whose tests run in one xdist worker, one after another in their order, and first: test_sweep.py's read
+# the smoke sweep (smoke_sweep above), a session fixture, which would otherwise run once in every worker that reads
+# it; test_distributed.py's share its module fixtures (the equal-length data, the one-process PPO run two tests
+# compare with), and its torchruns then never run beside one another. An `xdist_group` mark would say this test by
+# test, but with pytest 9.2 it no longer reaches xdist's scheduler (pytest-xdist issue #1386: the group travels in
+# the node id, which pytest now builds from its parts), so the scheduler below groups by file.
+ONE_WORKER = ("tests/test_sweep.py", "tests/test_distributed.py")
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown, and unused, without it
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup (pyproject.toml's addopts), with each file in ONE_WORKER one unit of work. xdist hands out
+    the units with the most tests first, so these start as the session does; every other test is its own unit."""
+    if config.getvalue("dist") != "loadgroup":
+        return None  # another --dist: xdist's own scheduler
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Scheduler(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return file if file in ONE_WORKER else super()._split_scope(nodeid)
+
+    return Scheduler(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Slow: a test that reads the smoke sweep (the sweep is minutes), whichever file it is in, and SLOW_TOO.
-    Background: the smoke sweep's readers, so that it runs once, in the background pytest (tests/background.py)."""
+    """Slow: a test that reads the smoke sweep (the sweep is minutes), whichever file it is in, and SLOW_TOO."""
     for item in items:
         if "smoke_sweep" in getattr(item, "fixturenames", ()):  # directly or through another fixture
             item.add_marker(pytest.mark.slow)
-            item.add_marker(pytest.mark.background)
         name = item.nodeid.split("/")[-1]
         if any(name.startswith(prefix) for prefix in SLOW_TOO):
             item.add_marker(pytest.mark.slow)

@@ -1,10 +1,11 @@
-"""Run a trainer with tiny settings, as a subprocess (run_trainer, start_trainer) or in this process (run_here,
-run_in_process: main() with its argv, every global it changes restored after), and read what it wrote.
-Imported by the end-to-end tests.
+"""Run a trainer with tiny settings, as a subprocess (run_trainer, start_trainer: a new interpreter,
+sys.executable) or in this process (run_here, run_in_process: main() with its argv, every global it changes
+restored after), and read what it wrote. Imported by the end-to-end tests.
 
-A subprocess starts through the session's fork server (python(): tests/forkserver.py, torch and transformers
-imported once) unless it passes fresh=True: a new interpreter, for a test whose point is the process itself.
-RLVR_TEST_FORKSERVER=0 makes every subprocess a new interpreter (to check that the server changes no result).
+A subprocess is for a test whose point is the process itself (a signal and the exit it causes, torchrun's ranks,
+stderr exactly as a user sees it, the exit code of a real interpreter, a pid in a lock, sweep.sh's runs); every
+other test runs the trainer here (run_here), without the ~5 s a new interpreter spends importing torch and
+transformers.
 
 Kept out of conftest.py on purpose: plain functions, no fixtures, so that it merges with any conftest.
 """
@@ -59,13 +60,13 @@ MALLOC = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
 
 
 def trainer_env() -> dict[str, str]:
-    env = dict(_base_env(), GSM8K_DIR=require_gsm8k_dir())
+    """The environment of a test's subprocess: offline, GSM8K, malloc's setting, and torch on one thread unless
+    OMP_NUM_THREADS says otherwise (the xdist workers keep every core busy: a second thread would spin, a tiny run
+    took 11-19 CPU seconds on two threads against 7-11 on one beside other work, 2026-12-03)."""
+    env = {"OMP_NUM_THREADS": "1", **os.environ, **MALLOC}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GSM8K_DIR=require_gsm8k_dir())
     env.pop("RANK", None)  # one process, whatever the test runner's environment says
     return env
-
-
-def _base_env() -> dict[str, str]:
-    return dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **MALLOC)
 
 
 def cli(run_dir: Path | str, base: dict | None = None, **flags) -> list[str]:
@@ -83,52 +84,15 @@ def cli(run_dir: Path | str, base: dict | None = None, **flags) -> list[str]:
     return out
 
 
-_SERVER: list = []  # the session's fork server, once started
+def command(script: str, args: list[str]) -> list[str]:
+    return [sys.executable, str(REPO / script), *args]
 
 
-def start_server() -> None:
-    """Start the session's fork server (tests/forkserver.py), not waiting for it: conftest does so as the session
-    starts, so that its imports overlap the collection of the tests."""
-    if not _SERVER and os.environ.get("RLVR_TEST_FORKSERVER") != "0" and not os.environ.get("RLVR_TEST_PYTHON"):
-        import atexit
-        import tempfile
-
-        import forkserver
-
-        server = forkserver.Server(tempfile.mkdtemp(prefix="rlvr-forkserver-"), _base_env())
-        atexit.register(server.close)
-        _SERVER.append(server)
-
-
-def python(fresh: bool = False) -> str:
-    """The interpreter for a test's subprocess: the fork server's launcher (its child has torch and transformers
-    imported already, ~0.1 s to start instead of ~5 s; tests/forkserver.py says what it shares and how it falls
-    back), or sys.executable with fresh=True: a new interpreter, where the fresh process is the point (the
-    warnings a user sees on stderr, the pid in a lock, a fresh run compared with an in-process one).
-    RLVR_TEST_FORKSERVER=0: always sys.executable."""
-    if fresh or os.environ.get("RLVR_TEST_FORKSERVER") == "0":
-        import forkserver
-
-        return forkserver.real_executable()  # in the background pytest sys.executable is the launcher
-    if os.environ.get("RLVR_TEST_PYTHON"):  # the background pytest: its session's launcher (tests/background.py)
-        return os.environ["RLVR_TEST_PYTHON"]
-    start_server()
-    server = _SERVER[0]
-    if not server.wait_ready():
-        warnings.warn(f"{server.error}; the tests' subprocesses start new interpreters (slower)", stacklevel=2)
-        return sys.executable
-    return server.launcher
-
-
-def command(script: str, args: list[str], fresh: bool = False) -> list[str]:
-    return [python(fresh), str(REPO / script), *args]
-
-
-def run_trainer(script: str, args: list[str], timeout: float = 300, fresh: bool = False) -> subprocess.CompletedProcess:
-    """Run `python script args` from the repository root; returns the finished process (never raises on rc).
-    fresh: a new interpreter rather than the fork server's child (python())."""
+def run_trainer(script: str, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python script args` from the repository root, a new interpreter; returns the finished process (never
+    raises on rc)."""
     return subprocess.run(
-        command(script, args, fresh), cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout
+        command(script, args), cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -224,8 +188,8 @@ def run_here(script: str, args: list[str], threads: int | None = None) -> subpro
 
 
 def run_sweep(*args: str | Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """./sweep.sh ARGS from the repository root, with python() as the trainers' python."""
-    env = {**trainer_env(), "PYTHON": python(), **(env or {})}
+    """./sweep.sh ARGS from the repository root, with this interpreter as the trainers' python."""
+    env = {**trainer_env(), "PYTHON": sys.executable, **(env or {})}
     return subprocess.run(
         ["bash", str(REPO / "sweep.sh"), *map(str, args)], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout,
@@ -249,12 +213,10 @@ def assert_rises(values: list[float], by: float, to: float, what: str = "reward"
     assert last >= first + by and last >= to, f"{what} did not rise: {[round(v, 2) for v in values]}"
 
 
-def start_trainer(
-    script: str, args: list[str], log, env: dict[str, str] | None = None, fresh: bool = False
-) -> subprocess.Popen:
-    """Start a trainer in the background, stdout and stderr into the open file `log` (a pipe could fill up).
-    fresh: a new interpreter rather than the fork server's child (python())."""
-    cmd = command(script, args, fresh)
+def start_trainer(script: str, args: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a trainer in the background (a new interpreter), stdout and stderr into the open file `log` (a pipe
+    could fill up)."""
+    cmd = command(script, args)
     env = dict(trainer_env(), **(env or {}))
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
 

@@ -3,14 +3,16 @@ it with the earlier parts' numbers kept), a failed trainer's step times kept, th
 TRL settings and caveats printed beside the ratio. Part q (PARTS=q, bench/qwen_part.py) is rehearsed on its own with
 tiny-qwen2: whole, and killed by a 10 s limit; beside them its sizing arithmetic, its skip without QWEN_GGUF.
 
-The trainers' part (d) is killed by its limit in the rehearsal (3 s): a full one takes 29 s on 2 CPU cores with
-new interpreters, 10 s through the tests' fork server (2026-12-02; `T_D=300 bash bench/run_gpu.sh --tiny` runs
-it). TRL is not assumed installed: its part records a skip.
+The trainers' part (d) is killed by its limit in the rehearsal (3 s): a full one takes 29 s on 2 CPU cores
+(2026-12-02; `T_D=300 bash bench/run_gpu.sh --tiny` runs it). TRL is not assumed installed: its part records a skip.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,17 +28,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 import qwen_part  # noqa: E402
 import throughput  # noqa: E402
 import trl_grpo  # noqa: E402
-from helpers import python, trainer_env  # noqa: E402
+from helpers import process_state, trainer_env  # noqa: E402
 
 from plumbing import models, static_engine  # noqa: E402
 
 
 def _env() -> dict:
-    """The trainers' environment (helpers.trainer_env), and the fork server's interpreter as run_gpu.sh's PYTHON."""
-    return {**trainer_env(), "PYTHON": python()}
+    """The trainers' environment (helpers.trainer_env), and this interpreter as run_gpu.sh's PYTHON."""
+    return {**trainer_env(), "PYTHON": sys.executable}
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_run_gpu_flow_tiny_cpu_keeps_the_parts_before_one_killed_by_its_limit(tmp_path):
     """Every part of run_gpu.sh on the CPU; part d (the trainers) is killed by a 3 s limit: the numbers of
@@ -102,7 +103,6 @@ def _steps(run_dir: Path) -> list[dict]:
     return [r for r in rows if "time/step" in r]
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_run_gpu_part_q_tiny_cpu_writes_every_step_at_one_token_budget(tmp_path):
     """Part q on the CPU with tiny-qwen2 at toy sizes: the preflight's refusal on the record and the part going on,
@@ -162,7 +162,6 @@ def test_run_gpu_part_q_tiny_cpu_writes_every_step_at_one_token_budget(tmp_path)
     assert "part q: tiny-qwen2" in proc.stdout and "budget:" in proc.stdout
 
 
-@pytest.mark.background
 @pytest.mark.slow
 def test_run_gpu_part_q_killed_by_its_limit_keeps_what_finished(tmp_path):
     """Part q killed by a tiny limit (T_Q): parts.tsv says so, summary.json names the kill and what did not finish,
@@ -351,12 +350,18 @@ def test_trl_settings_that_differ_from_grpo_are_listed():
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of --device auto without a GPU")
-def test_default_device_without_a_gpu_is_the_cpu(tmp_path):
+def test_default_device_without_a_gpu_is_the_cpu(tmp_path, monkeypatch):
     out = tmp_path / "throughput.json"
-    cmd = [python(), "bench/throughput.py", "--tiny", "--sections", "check", "--out", str(out)]
-    cmd += ["--work-dir", str(tmp_path / "work")]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = ["throughput.py", "--tiny", "--sections", "check", "--out", str(out), "--work-dir", str(tmp_path / "work")]
+    printed, code = io.StringIO(), None
+    with process_state(), contextlib.redirect_stdout(printed):  # `python bench/throughput.py ...`, in this process
+        monkeypatch.setattr(sys, "argv", argv)
+        os.environ.update(trainer_env())
+        try:
+            throughput.main()
+        except SystemExit as e:
+            code = e.code
+    assert code in (None, 0), f"exit {code}\n{printed.getvalue()[-3000:]}"  # exit 0
     report = json.loads(out.read_text())
     assert "cpu" in json.dumps(report["device"]).lower() and "check" in report["sections"]
 

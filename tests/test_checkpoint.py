@@ -166,7 +166,7 @@ def test_a_damaged_checkpoint_is_refused_and_left_in_place(finished_run, tmp_pat
     before = tree_digest(run_dir)
     args = cli(run_dir, **SMALL_RUN, resume=True)
     if damage in SUBPROCESS:  # a new interpreter for a few: stderr as a user sees it
-        proc = run_trainer("ppo.py", args, fresh=True)
+        proc = run_trainer("ppo.py", args)
     else:
         proc = run_here("ppo.py", args)
     line = check_one_error_line(proc)
@@ -234,23 +234,20 @@ def load_final(run_dir: Path) -> tuple[dict, dict]:
     return load_file(ckpt / "policy" / "model.safetensors"), load_file(ckpt / "critic.safetensors")
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_sigterm_then_resume_equals_a_straight_run(tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    one = {"OMP_NUM_THREADS": "1"}  # every part on one torch thread (the resume below too): bitwise comparable
-    with open(tmp_path / "straight.log", "w") as straight_log, open(tmp_path / "split.log", "w") as log:
-        straight_run = start_trainer("ppo.py", cli(straight, **RESUME_RUN), straight_log, one)  # alongside
-        proc = start_trainer("ppo.py", cli(split, **RESUME_RUN), log, one)
+    one = {"OMP_NUM_THREADS": "1"}  # every part on one torch thread (the runs below too): bitwise comparable
+    with open(tmp_path / "split.log", "w") as log:
+        proc = start_trainer("ppo.py", cli(split, **RESUME_RUN), log, one)  # a process: the signal is the point
         try:
             wait_for_first_step(proc, split)
             os.kill(proc.pid, signal.SIGTERM)
             rc = proc.wait(timeout=180)
-            assert straight_run.wait(timeout=180) == 0, (tmp_path / "straight.log").read_text()[-3000:]
         finally:
-            for p in (proc, straight_run):
-                if p.poll() is None:
-                    p.kill()
+            if proc.poll() is None:
+                proc.kill()
+    check_ok(run_here("ppo.py", cli(straight, **RESUME_RUN), threads=1))  # the straight run, in this process
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
     stopped_at = json.loads((split / checkpoint.CHECKPOINT / "state.json").read_text())["counters"]["step"]

@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_ok, cli, command, python, run_here, signal_at, trainer_env, wait_for_first_step
+from helpers import REPO, check_ok, cli, run_here, signal_at, trainer_env, wait_for_first_step
 
 import gsm8k
 from plumbing import checkpoint, models
@@ -63,7 +64,7 @@ RUNS = {  # trainer, flags: every trainer, the MC measurement, both DPO regimes,
 }  # fmt: skip
 REL_TOL = 2e-5  # max |one - two| / max |one| per tensor, fp32 (measured: ~3e-6 and below)
 
-pytestmark = [pytest.mark.slow, pytest.mark.background]  # torchrun: in the second pytest process (tests/background.py)
+pytestmark = pytest.mark.slow  # torchrun
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.Completed
 
 
 def torchrun_cmd(script: str, args: list[str], nproc: int = 2) -> list[str]:
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return [*cmd, str(REPO / script), *args]
 
 
@@ -163,7 +164,7 @@ def as_ranks(script: str, args: list[str], world: int = 2, timeout: float = 120)
                         LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
         procs.append(
             subprocess.Popen(
-                [python(), str(REPO / script), *args],
+                [sys.executable, str(REPO / script), *args],
                 cwd=REPO,
                 env=rank_env,
                 text=True,
@@ -315,10 +316,8 @@ def rank_pid(tag: str, rank: int, timeout: float = 60) -> int:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the rank's pid through /proc (Linux)")
 def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, data_dir):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    straight_run = start(command("ppo.py", flags(straight, data_dir, **SIGTERM_RUN)))  # alongside
-
     tag = uuid.uuid4().hex
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     with open(tmp_path / "split.log", "w") as log:
         proc = subprocess.Popen(
             [*cmd, str(REPO / "ppo.py"), *flags(split, data_dir, **SIGTERM_RUN)],
@@ -334,7 +333,7 @@ def test_sigterm_to_one_rank_leaves_a_checkpoint_that_resumes_on_one(tmp_path, d
                 proc.kill()
     out = (tmp_path / "split.log").read_text()
     assert rc == 0, out[-3000:]
-    check_ok(finish(straight_run))
+    check_ok(one_process("ppo.py", flags(straight, data_dir, **SIGTERM_RUN)))  # the straight run
     stopped_at = json.loads((split / checkpoint.CHECKPOINT / "state.json").read_text())["counters"]["step"]
     assert 1 <= stopped_at < 4, f"the signal did not land mid-run (checkpoint at step {stopped_at})"
     assert f"stopped by a signal on another rank after step {stopped_at}" in out, out[-3000:]

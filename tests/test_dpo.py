@@ -279,7 +279,6 @@ def pooled(rows: list[dict], key: str) -> float:
     return sum(r[key] * r["pairs"] for r in rows) / sum(r["pairs"] for r in rows)
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_preference_and_reward_rise_on_the_toy_task(tmp_path):
     """Online self pairs on the toy task (reward 1 when a 2-token completion holds a token id divisible by 16,

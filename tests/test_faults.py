@@ -386,7 +386,6 @@ def _damaged_cache(tmp_path: Path, monkeypatch) -> Path:
     return folder
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 def test_a_damaged_tokenizer_cache_is_named_moved_aside_and_rebuilt(tmp_path, monkeypatch, capsys):
     folder = _damaged_cache(tmp_path, monkeypatch)
     tok = models.load_tokenizer(models.TINY_MODEL)

@@ -98,7 +98,6 @@ def test_greedy_matches_transformers_generate(tiny_lm, tok, prompts):
     assert torch.equal(hf[:, ro.prompt_ids.shape[1] :], ro.response_ids)
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.packaged
 def test_greedy_matches_transformers_generate_smollm2():
     tok = models.load_tokenizer("smollm2")

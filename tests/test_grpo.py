@@ -88,7 +88,6 @@ def test_each_mode_runs_two_steps(tmp_path, mode):
     check_checkpoint(run_dir, step=2)
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_reward_rises_on_the_toy_task(tmp_path):
     # Reward 1 when a completion of 4 tokens holds a token id divisible by 16 (~0.25 at the start). At this

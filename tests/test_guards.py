@@ -154,7 +154,7 @@ def test_a_second_trainer_on_a_live_run_folder_is_refused_naming_the_holder(tmp_
     run_dir = tmp_path / "run"
     lock = run_dir / ".lock"
     with open(tmp_path / "first.log", "w") as log:
-        proc = start_trainer("ppo.py", cli(run_dir, **LONG_RUN), log, fresh=True)  # its pid is in the lock
+        proc = start_trainer("ppo.py", cli(run_dir, **LONG_RUN), log)  # its pid is in the lock
         try:
             deadline = time.time() + 300
             while not (lock.is_file() and lock.read_text().endswith("\n")) and time.time() < deadline:

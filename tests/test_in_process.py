@@ -1,6 +1,7 @@
 """The in-process runner (helpers.run_here) the end-to-end tests use: a trainer's main() called in the test's
 process gives what a fresh process gives, and leaves nothing behind for the next test (threads, RNG, environment,
-folder, signal handlers, notices, the run lock)."""
+folder, signal handlers, notices, the run lock). And conftest's lists hold: the fast lane's slow list names tests
+that exist, the smoke sweep's readers are where they run in one worker."""
 
 from __future__ import annotations
 
@@ -23,12 +24,11 @@ def untimed(run_dir) -> list[dict]:
     return [{k: v for k, v in row.items() if not any(t in k for t in TIMES)} for row in read_metrics(run_dir)]
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, monkeypatch):
     fresh = tmp_path / "fresh"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the fresh process's threads, as threads=1 below
-    check_ok(run_trainer("ppo.py", cli(fresh, **RUN), fresh=True))  # a new interpreter, not the fork server's
+    check_ok(run_trainer("ppo.py", cli(fresh, **RUN)))  # a new interpreter
     torch.set_num_threads(2)
     random.seed(7)
     torch.manual_seed(7)
@@ -56,3 +56,13 @@ def test_every_test_the_fast_lane_leaves_out_exists():
         text = (here / file).read_text()
         assert f"def {function}(" in text, prefix
         assert not params or "parametrize" in text, prefix
+
+
+def test_every_reader_of_the_smoke_sweep_is_in_test_sweep_py(request):
+    """The smoke sweep runs once per session because its readers run in one xdist worker: tests/test_sweep.py is
+    one unit of work (conftest.ONE_WORKER). A reader in another file would run it again in another worker."""
+    from conftest import ONE_WORKER
+
+    readers = [item.nodeid for item in request.session.items if "smoke_sweep" in getattr(item, "fixturenames", ())]
+    assert "tests/test_sweep.py" in ONE_WORKER
+    assert all(nodeid.startswith("tests/test_sweep.py::") for nodeid in readers), readers

@@ -84,7 +84,6 @@ def test_recompute_logprobs_takes_old_logprobs_and_full_critic_values_from_the_t
     assert rows[True]["vf_loss"] == pytest.approx(rows[False]["vf_loss"], rel=1e-5)
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 @pytest.mark.parametrize("critic", ["none", "small"])
 def test_reward_rises_on_the_toy_task(tmp_path, critic):

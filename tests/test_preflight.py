@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO, check_one_error_line, python, trainer_env
+from helpers import REPO, check_one_error_line, trainer_env
 
 import gsm8k
 import intervals
@@ -27,7 +28,7 @@ FIELDS = ("pass_rate", "signal", "informative", "prompts", "samples_per_prompt",
 
 
 def sweep(*args: str | Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**trainer_env(), "PYTHON": python(), **(env or {})}
+    env = {**trainer_env(), "PYTHON": sys.executable, **(env or {})}
     return subprocess.run(
         ["bash", str(REPO / "sweep.sh"), *map(str, args)],
         cwd=REPO,
@@ -283,7 +284,7 @@ def test_the_toy_task_passes_the_preflight_and_writes_its_json(tmp_path):
     assert not [d for d in tmp_path.iterdir() if d.is_dir()], "the preflight made a folder"
     # the same sample asked for the default smallest effect: 2 prompt states are far too few, so it refuses
     proc = subprocess.run(
-        [python(), "preflight.py", "--out", str(tmp_path / "d"), "--", *p["command"]],
+        [sys.executable, "preflight.py", "--out", str(tmp_path / "d"), "--", *p["command"]],
         cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr + proc.stdout

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, check_ok, check_one_error_line, python, run_here, run_sweep, trainer_env, tree_digest
+from helpers import REPO, check_ok, check_one_error_line, run_here, run_sweep, trainer_env, tree_digest
 
 import intervals
 import measure
@@ -271,7 +271,6 @@ def test_report_names_a_damaged_results_json_and_skips_it(smoke, tmp_path):
     assert bad.read_text() == "[]"  # the report reads; only the sweep sets files aside
 
 
-@pytest.mark.background  # a long test: in the second pytest process (tests/background.py)
 @pytest.mark.slow
 def test_slurm_submits_one_array_task_per_run(tmp_path):
     """A stand-in sbatch records its calls; then one array task runs for real, as SLURM would start it."""
@@ -293,7 +292,7 @@ def test_slurm_submits_one_array_task_per_run(tmp_path):
     # task 0 is h2h's GRPO run (the budget's reference): run it as an array task would
     run = subprocess.run(
         ["bash", str(out / "slurm" / "task.sh")],
-        env={**trainer_env(), "PYTHON": python(), "SLURM_ARRAY_TASK_ID": "0"},
+        env={**trainer_env(), "PYTHON": sys.executable, "SLURM_ARRAY_TASK_ID": "0"},
         capture_output=True,
         text=True,
         timeout=300,

@@ -128,8 +128,8 @@ def test_an_unknown_task_is_refused_before_the_model_loads(tmp_path, script):
                                                        ("dpo.py", "batch-size", 0)])  # fmt: skip
 def test_a_bad_value_in_a_fresh_process_is_one_error_line(tmp_path, script, flag, value):
     run_dir = tmp_path / "run"
-    # a new interpreter (fresh=True), not the fork server's child: every warning a fresh start prints is seen
-    proc = run_trainer(script, args_for(script, run_dir, **{**BASE[script], flag: value}), timeout=120, fresh=True)
+    # a new interpreter: every warning a fresh start prints is seen
+    proc = run_trainer(script, args_for(script, run_dir, **{**BASE[script], flag: value}), timeout=120)
     line = expect_refused(proc, run_dir, f"--{flag}")
     assert proc.stderr.strip() == line and "Traceback" not in proc.stderr, proc.stderr  # the user sees one line
 
