@@ -56,8 +56,7 @@ class Args:
     prompts: int = 0
     """train prompts sampled, group-size times each (0: 256 on a GPU, 8 on the CPU)"""
     smallest_effect: float = SMALLEST_EFFECT
-    """exit 3 when the predicted half-width of the report's 3-seed interval of GRPO's nmse at the prompt exceeds this
-    smallest difference in nmse worth detecting (docs/measurement.md); 0: any signal passes (the smoke sweep)"""
+    """the smallest difference in nmse worth detecting: exit 3 when the report's 3-seed interval of GRPO's nmse at the prompt is predicted wider (docs/measurement.md); 0: any signal passes"""
 
 
 # ======================================================================================================

@@ -142,36 +142,50 @@ class MetricsLogger:
         self.enabled = enabled
         self.first_row = first_row
         self.path = run_dir / "metrics.jsonl"
+        self.run_dir, self.resume_step, self.track = run_dir, resume_step, track
         self.tb = None
         self.wandb = None
         self.rows = 0  # rows in metrics.jsonl: a checkpoint records it (counters["metrics_rows"])
+        self.later: list[str] = []  # rows after the checkpoint, set aside when the first row is logged
+        self.started = False
         if enabled and resume_step is not None and self.path.is_file():
-            kept, later = [], []
+            kept = []
             for n, line in enumerate(self.path.read_text().splitlines()):
                 step = None
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     step = json.loads(line)["step"]
                 keep = isinstance(step, int) and step <= resume_step and (resume_rows is None or n < resume_rows)
-                (kept if keep else later).append(line + "\n")
-            self.rows = len(kept)
-            if later:  # set aside, never dropped: metrics.jsonl.discarded-TIME
-                aside = self.path.with_name(f"{self.path.name}.discarded-{time.strftime('%Y%m%d-%H%M%S')}")
-                aside.write_text("".join(later))
-                tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-                tmp.write_text("".join(kept))
-                os.replace(tmp, self.path)
-                notice_once(f"{len(later)} metrics row(s) after the checkpoint's step {resume_step} moved to {aside}")
-        if enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+                (kept if keep else self.later).append(line + "\n")
+            self.rows, self.kept = len(kept), kept
 
-                purge = None if resume_step is None else resume_step + 1
-                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
-            except ImportError:  # tensorboard is in requirements.txt; a bare install without it still runs
-                self.tb = None
-            self.wandb = start_tracking(track, run_dir)
+    def start(self) -> None:
+        """What the logger writes before its first row, deferred to it: the rows after the checkpoint set aside
+        (metrics.jsonl.discarded-TIME, never dropped), TensorBoard's writer, the W&B run. So a resume refused after
+        the logger is made (a checkpoint's data position that does not fit the data) has written nothing."""
+        self.started = True
+        if not self.enabled:
+            return
+        if self.later:
+            aside = self.path.with_name(f"{self.path.name}.discarded-{time.strftime('%Y%m%d-%H%M%S')}")
+            aside.write_text("".join(self.later))
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(self.kept))
+            os.replace(tmp, self.path)
+            notice_once(
+                f"{len(self.later)} metrics row(s) after the checkpoint's step {self.resume_step} moved to {aside}"
+            )
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if self.resume_step is None else self.resume_step + 1
+            self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge)
+        except ImportError:  # tensorboard is in requirements.txt; a bare install without it still runs
+            self.tb = None
+        self.wandb = start_tracking(self.track, self.run_dir)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.started:
+            self.start()
         if not self.enabled:
             return
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}

@@ -31,7 +31,8 @@ def test_report_has_a_rollout_column_with_the_fallbacks(tmp_path):
     write("grpo-group-s1", {"rollout_backend": "static", "rollout_fallbacks": [fell]})
     write("ppo-none-s1", {"method": "ppo", "critic": "none"})  # a run from before the record
     md = report.write_report(tmp_path, tmp_path / "report").read_text()
-    head = next(line for line in md.splitlines() if line.startswith("| experiment"))
+    # the compute table: each run's budget and what its rollouts ran on (the results table comes first)
+    head = next(line for line in md.splitlines() if line.startswith("| experiment") and "| update FLOPs |" in line)
     assert "| rollout |" in head
     assert "| static (fell back: cuda_graph) |" in md
     row = next(line for line in md.splitlines() if "| ppo-none |" in line)
