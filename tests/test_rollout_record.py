@@ -36,4 +36,5 @@ def test_report_has_a_rollout_column_with_the_fallbacks(tmp_path):
     assert "| rollout |" in head
     assert "| static (fell back: cuda_graph) |" in md
     row = next(line for line in md.splitlines() if "| ppo-none |" in line)
-    assert row.split(" | ")[head.split(" | ").index("rollout")] == "-"
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]  # noqa: E731
+    assert cells(row)[cells(head).index("rollout")] == "-"
