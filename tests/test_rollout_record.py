@@ -32,9 +32,12 @@ def test_report_has_a_rollout_column_with_the_fallbacks(tmp_path):
     write("ppo-none-s1", {"method": "ppo", "critic": "none"})  # a run from before the record
     md = report.write_report(tmp_path, tmp_path / "report").read_text()
     # the compute table: each run's budget and what its rollouts ran on (the results table comes first)
-    head = next(line for line in md.splitlines() if line.startswith("| experiment") and "| update FLOPs |" in line)
-    assert "| rollout |" in head
-    assert "| static (fell back: cuda_graph) |" in md
-    row = next(line for line in md.splitlines() if "| ppo-none |" in line)
+    lines = md.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| experiment") and "| update FLOPs |" in line)
+    end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    table = lines[first:end]
     cells = lambda line: [c.strip() for c in line.strip("|").split("|")]  # noqa: E731
-    assert cells(row)[cells(head).index("rollout")] == "-"
+    rollout = cells(table[0]).index("rollout")
+    by_run = {cells(line)[1]: cells(line)[rollout] for line in table[2:]}
+    assert by_run["grpo-group"] == "static (fell back: cuda_graph)"
+    assert by_run["ppo-none"] == "-"
