@@ -328,6 +328,13 @@ def test_the_t_interval_covers_95_percent_with_three_seeds():
 def test_t_quantile_against_the_table():
     for dof, t in ((1, 12.7062), (2, 4.3027), (3, 3.1824), (9, 2.2622), (29, 2.0452)):
         assert intervals.t_quantile(0.975, dof) == pytest.approx(t, abs=2e-4)
+    assert intervals.t_quantile(0.995, 4) == pytest.approx(4.6041, abs=2e-4)
+    for q in (0.6, 0.9, 0.975, 0.999):  # the closed forms: Cauchy at dof 1, and dof 2
+        assert intervals.t_quantile(q, 1) == pytest.approx(math.tan(math.pi * (q - 0.5)), rel=1e-9)
+        assert intervals.t_quantile(q, 2) == pytest.approx((2 * q - 1) / math.sqrt(2 * q * (1 - q)), rel=1e-9)
+    welch = [intervals.t_quantile(0.975, 2 + k / 10) for k in range(11)]  # Welch's dof: between the whole ones
+    # 3.5747 at dof 2.5: what the Simpson-rule CDF integration this replaced gave too (3.57465)
+    assert all(a > b for a, b in zip(welch, welch[1:])) and welch[5] == pytest.approx(3.5747, abs=2e-4)
 
 
 def test_paired_difference():
