@@ -86,7 +86,7 @@ SLOW_TOO = {
     "test_preflight.py::test_the_toy_task_passes_the_preflight_and_writes_its_json": "trainer subprocesses, 11 s",
     "test_generation.py::test_greedy_matches_transformers_generate_smollm2": "the packaged model, 10 s",
     "test_preflight.py::test_gsm8k_on_the_tiny_model_is_refused_and_a_sweep_stops_before_any_run_folder_exists": "9 s",
-    "test_preflight.py::test_a_model_that_cannot_be_fetched_is_one_error_line": "7 s; test_qwen2's twin stays",
+    "test_preflight.py::test_a_model_that_cannot_be_fetched_is_one_error_line": "7 s; test_offline.py's trainer stays",
     "test_checkpoint.py::test_a_damaged_checkpoint_is_refused_and_left_in_place[garbled manifest]": "6 s",
     "test_faults.py::test_a_stop_signal_during_dpo_pair_sampling_stops_at_once_and_nothing_is_left": "5 s",
     "test_faults.py::test_a_stop_signal_anywhere_stops_at_once_and_resume_redoes_only_what_is_missing[evaluate-1": "5 s",
@@ -113,6 +113,11 @@ SLOW_TOO = {
     "test_engine.py::test_buckets_and_extra_rows_change_nothing": "3 s; the row-group test has extra rows too",
     "test_grpo.py::test_each_mode_runs_two_steps[dr-grpo clip-higher]": "2 s; grpo and rloo stay",
     "test_dpo.py::test_each_mode_runs_two_steps[gold offline sigmoid]": "2 s; the other modes stay",
+    "test_offline.py::test_the_preflight_given_a_hub_model_not_cached_says_so": "5 s; the sweep's [preflight] stays",
+    "test_offline.py::test_the_sweep_given_a_hub_model_not_cached_says_so_in_one_line_and_leaves_no_folder[sweep]": "4 s",
+    "test_sweep.py::test_a_budget_matched_runs_cosine_schedule_ends_with_its_budget[ppo.py]": "3 s; grpo's stays",
+    "test_sweep.py::test_a_budget_matched_runs_cosine_schedule_ends_with_its_budget[dpo.py]": "3 s",
+    "test_qwen2.py::test_a_model_that_cannot_be_fetched_is_one_line": "3 s a process; test_offline.py's trainer stays",
 }
 
 
