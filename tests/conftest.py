@@ -113,11 +113,11 @@ SLOW_TOO = {
     "test_engine.py::test_buckets_and_extra_rows_change_nothing": "3 s; the row-group test has extra rows too",
     "test_grpo.py::test_each_mode_runs_two_steps[dr-grpo clip-higher]": "2 s; grpo and rloo stay",
     "test_dpo.py::test_each_mode_runs_two_steps[gold offline sigmoid]": "2 s; the other modes stay",
-    "test_offline.py::test_the_preflight_given_a_hub_model_not_cached_says_so": "5 s; the sweep's [preflight] stays",
+    "test_offline.py::test_the_preflight_given_a_hub_model_not_cached_says_so_in_one_line": "5 s; the sweep's stays",
     "test_offline.py::test_the_sweep_given_a_hub_model_not_cached_says_so_in_one_line_and_leaves_no_folder[sweep]": "4 s",
     "test_sweep.py::test_a_budget_matched_runs_cosine_schedule_ends_with_its_budget[ppo.py]": "3 s; grpo's stays",
     "test_sweep.py::test_a_budget_matched_runs_cosine_schedule_ends_with_its_budget[dpo.py]": "3 s",
-    "test_qwen2.py::test_a_model_that_cannot_be_fetched_is_one_line": "3 s a process; test_offline.py's trainer stays",
+    "test_qwen2.py::test_a_model_that_cannot_be_fetched_is_one_line_before_anything_is_written": "3 s; test_offline's",
 }
 
 
