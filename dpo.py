@@ -414,7 +414,8 @@ def main() -> None:
             )
         if dist_.main:
             print(f"offline pairs: {len(pair_set)} in {pairs_path}", flush=True)
-    offline_reference_tokens = sum(len(p["chosen"] + p["rejected"]) for p in pair_set)  # each cached pair scored once
+    # the reference scored each cached pair once, before the first step
+    offline_reference_tokens = sum(len(p["chosen"]) + len(p["rejected"]) for p in pair_set)
     sampler = gsm8k.PromptSampler(len(pair_set) if not args.online else len(splits["train"]), args.seed)
     if args.resume:
         sampler.load_state_dict(state["sampler"])  # where the checkpoint left it

@@ -110,13 +110,14 @@ def mc_summary(rows: list[dict[str, Any]], method: str) -> dict[str, Any]:
     per_measurement = [measurement_sums(r, name) for r in meas]
     pooled = measure.pool_baseline_errors(per_measurement)
     prompt = [measurement_sums(r, f"{name}_prompt") for r in meas]
-    prompt = [m for m in prompt if m] if all(prompt) else []  # every measurement has it, or none counts
-    out: dict[str, Any] = error_columns(pooled, measure.pool_baseline_errors(prompt))
+    prompt = prompt if all(prompt) else []  # every measurement has it, or none counts
+    prompt_pooled = measure.pool_baseline_errors(prompt)
+    out: dict[str, Any] = error_columns(pooled, prompt_pooled)
     out["sums"] = {k: v for k, v in pooled.items() if k in measure.POOLED_SUMS}
     out["per_measurement"] = per_measurement
     out["prompt_per_measurement"] = prompt
-    out["prompt_sums"] = {k: v for k, v in measure.pool_baseline_errors(prompt).items() if k in measure.POOLED_SUMS}
-    out["nmse_prompt"] = measure.pool_baseline_errors(prompt).get("nmse", float("nan"))
+    out["prompt_sums"] = {k: v for k, v in prompt_pooled.items() if k in measure.POOLED_SUMS}
+    out["nmse_prompt"] = prompt_pooled.get("nmse", float("nan"))
     out["measurements"] = float(len(meas))
     out["old_format"] = not meas and any(finite(r.get("mc/value/centred_rmse")) for r in rows)
     if method == "grpo":  # the group mean with the completion's own reward in it, for comparison
@@ -173,9 +174,11 @@ def nmse_difference(
     pairs = [(r, ref_by[r["seed"]]) for r in sorted(rs, key=lambda r: r["seed"]) if r["seed"] in ref_by]
     if not pairs:
         return nan, nan, nan, ""
-    a = [nmse_units([x], key)[0] if len(pairs) == 1 else [x["mc"][f"{part}sums"]] for x, _ in pairs]
-    b = [nmse_units([y], key)[0] if len(pairs) == 1 else [y["mc"][f"{part}sums"]] for _, y in pairs]
-    a, b = [u for units in a for u in units], [u for units in b for u in units]
+    if len(pairs) > 1:  # each seed's sums, the seeds in the same order on both sides
+        a, b = [x["mc"][f"{part}sums"] for x, _ in pairs], [y["mc"][f"{part}sums"] for _, y in pairs]
+    else:  # one seed: each run's measurements
+        ((x, y),) = pairs
+        a, b = nmse_units([x], key)[0], nmse_units([y], key)[0]
     ok = [u for u in (*a, *b) if u and num_key in u and u.get("sum_signal_var", 0) > 0]
     if len(ok) < len(a) + len(b):  # a run without this measurement (an old run)
         return nan, nan, nan, ""

@@ -259,11 +259,9 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
     if len(err) > 2:
         out += (
             "\n\nThe baselines' error against Monte Carlo (nmse: 0 for a perfect baseline; GRPO's leave-one-out mean "
-        )
-        out += (
             "reads 1/(G-1) at the prompt; \"less GRPO's\": this nmse minus GRPO's, below 0 where this baseline is the "
+            "better, with the interval of that difference):\n\n" + "\n".join(err)
         )
-        out += "better, with the interval of that difference):\n\n" + "\n".join(err)
     if ONE_SEED in out:
         out += (
             f"\n\n{ONE_SEED} one seed: the interval is over that run's measurements (nmse) or test problems (accuracy, "
@@ -271,11 +269,6 @@ def markdown_tables(rows: list[dict[str, Any]]) -> str:
             "another seed would (with a seed effect it covered the cross-seed value 69-90% in simulation)."
         )
     return out
-
-
-def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """markdown_tables' text (the name the tests and older callers use)."""
-    return markdown_tables(rows)
 
 
 def compute_table(rows: list[dict[str, Any]]) -> str:

@@ -146,17 +146,17 @@ class MetricsLogger:
         self.tb = None
         self.wandb = None
         self.rows = 0  # rows in metrics.jsonl: a checkpoint records it (counters["metrics_rows"])
+        self.kept: list[str] = []  # on a resume, metrics.jsonl's rows up to the checkpoint
         self.later: list[str] = []  # rows after the checkpoint, set aside when the first row is logged
         self.started = False
         if enabled and resume_step is not None and self.path.is_file():
-            kept = []
             for n, line in enumerate(self.path.read_text().splitlines()):
                 step = None
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     step = json.loads(line)["step"]
                 keep = isinstance(step, int) and step <= resume_step and (resume_rows is None or n < resume_rows)
-                (kept if keep else self.later).append(line + "\n")
-            self.rows, self.kept = len(kept), kept
+                (self.kept if keep else self.later).append(line + "\n")
+            self.rows = len(self.kept)
 
     def start(self) -> None:
         """What the logger writes before its first row, deferred to it: the rows after the checkpoint set aside

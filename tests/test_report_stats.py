@@ -94,16 +94,19 @@ def _sweep(tmp_path: Path, ppo_exact: bool = False, same_correct: bool = False) 
     return runs
 
 
+def _grpo_pooled(runs: list[dict], name: str) -> float:
+    """GRPO's nmse of baseline `name` pooled directly from its metrics rows (the measurements after the first)."""
+    grpo = [r for r in runs if r["method"] == "grpo"]
+    sums = [read_runs.measurement_sums(row, name) for r in grpo for row in r["rows"][1:3]]
+    return measure.pool_baseline_errors(sums)["nmse"]
+
+
 def test_grpo_is_measured_at_the_prompt_state_and_its_line_is_drawn_there(tmp_path):
     """The table's "nmse at prompt" pools the prompt states alone (mc/<name>_prompt/); the crossover draws GRPO's
     prompt-state value (open star) beside its token-weighted one, and names the 1/(G-1) line for the prompt state."""
     runs = _sweep(tmp_path)
-    grpo = [r for r in runs if r["method"] == "grpo"]
-    direct = measure.pool_baseline_errors(
-        [read_runs.measurement_sums(row, "loo_prompt") for r in grpo for row in r["rows"][1:3]]
-    )
     summary = {r["run"]: r for r in report.summarize(runs)}
-    assert summary["grpo-group"]["nmse_prompt"] == pytest.approx(direct["nmse"], rel=1e-9)
+    assert summary["grpo-group"]["nmse_prompt"] == pytest.approx(_grpo_pooled(runs, "loo_prompt"), rel=1e-9)
     assert summary["grpo-group"]["nmse_prompt"] != pytest.approx(summary["grpo-group"]["nmse"], rel=1e-3)
     keep = _KeepFigures()
     caption = plots.plot_crossover(keep, runs, tmp_path / "c.png")
@@ -125,7 +128,7 @@ def test_the_nmse_interval_is_centred_on_the_pooled_value_and_group_mean_is_pool
         row = summary[run]
         assert (row["nmse_low"] + row["nmse_high"]) / 2 == pytest.approx(row["nmse"], rel=1e-9)
         assert row["nmse_interval"] == "seeds"
-        cells = [line for line in report.markdown_table([row]).splitlines() if line.startswith("| h2h")]
+        cells = [line for line in report.markdown_tables([row]).splitlines() if line.startswith("| h2h")]
         assert f"{row['nmse']:.3f} [{row['nmse_low']:.3f}, {row['nmse_high']:.3f}]" in cells[1]  # the error table
     grpo = [r for r in runs if r["method"] == "grpo"]
     pooled = measure.pool_baseline_errors(
@@ -143,7 +146,7 @@ def test_no_interval_is_printed_with_zero_width(tmp_path):
     summary = {r["run"]: r for r in report.summarize(runs)}
     row = summary["ppo-small"]
     assert row["vs_grpo"] == 0 and math.isnan(row["vs_grpo_low"]) and math.isnan(row["interval_low"])
-    table = report.markdown_table(list(summary.values()))
+    table = report.markdown_tables(list(summary.values()))
     assert "[0.0, 0.0]" not in table and "[+0.0, +0.0]" not in table
     assert "n/a (seeds agree: needs more seeds)" in table and "+0.0 [n/a]" in table
 
@@ -248,12 +251,10 @@ def test_the_group_mean_is_read_at_the_prompt_and_its_words_say_where(tmp_path):
     """GRPO's group mean (its own reward in it) reads 1/G at the prompt; pooled over token-weighted states it reads
     (1 + (G-2) d) / (G (1 - d)) (tests/test_intervals.py), so the definitions may not call that column ~1/G."""
     runs = _sweep(tmp_path)
-    grpo = [r for r in runs if r["method"] == "grpo"]
-    direct = measure.pool_baseline_errors(
-        [read_runs.measurement_sums(row, "group_prompt") for r in grpo for row in r["rows"][1:3]]
-    )
     summary = {r["run"]: r for r in report.summarize(runs)}
-    assert summary["grpo-group"]["nmse_group_mean_prompt"] == pytest.approx(direct["nmse"], rel=1e-9)
+    assert summary["grpo-group"]["nmse_group_mean_prompt"] == pytest.approx(
+        _grpo_pooled(runs, "group_prompt"), rel=1e-9
+    )
     md = report.write_report(tmp_path, tmp_path / "report").read_text()
     assert "reads ~1/G (runs.csv nmse_group_mean" not in md
     assert "nmse_group_mean_prompt" in md and "(1 + (G-2) d) / (G (1 - d))" in md
