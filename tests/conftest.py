@@ -156,6 +156,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_unchanged():
+    """Every test leaves torch's thread count as it found it (one, pytest_sessionstart): a test that left two
+    made the tests after it in the same worker spin a second thread beside the other worker's (PPO's learning test:
+    45 CPU seconds instead of 21, 2026-12-03). Put back, then reported as the test's error."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    after = torch.get_num_threads()
+    torch.set_num_threads(before)
+    assert after == before, f"the test left torch on {after} threads, not the {before} it began with"
+
+
 @pytest.fixture()
 def one_thread():
     """torch on one CPU thread for the test, as a torchrun worker runs. With more, SDPA's CPU kernel splits a

@@ -24,12 +24,20 @@ def untimed(run_dir) -> list[dict]:
     return [{k: v for k, v in row.items() if not any(t in k for t in TIMES)} for row in read_metrics(run_dir)]
 
 
+@pytest.fixture()
+def two_threads():
+    """torch on two threads during the test (a count the runs below must leave as it is), as before after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.slow
-def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, monkeypatch):
+def test_two_runs_in_process_equal_a_fresh_process_and_leave_no_state(tmp_path, monkeypatch, two_threads):
     fresh = tmp_path / "fresh"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the fresh process's threads, as threads=1 below
     check_ok(run_trainer("ppo.py", cli(fresh, **RUN)))  # a new interpreter
-    torch.set_num_threads(2)
     random.seed(7)
     torch.manual_seed(7)
     before = (torch.get_num_threads(), random.getstate(), torch.random.get_rng_state(), dict(os.environ),
