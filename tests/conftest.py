@@ -118,6 +118,18 @@ SLOW_TOO = {
     "test_sweep.py::test_a_budget_matched_runs_cosine_schedule_ends_with_its_budget[ppo.py]": "3 s; grpo's stays",
     "test_sweep.py::test_a_budget_matched_runs_cosine_schedule_ends_with_its_budget[dpo.py]": "3 s",
     "test_qwen2.py::test_a_model_that_cannot_be_fetched_is_one_line_before_anything_is_written": "3 s; test_offline's",
+    # a new interpreter that imports transformers is ~5 s before it does anything: test_offline.py keeps one in the
+    # fast lane (a trainer given a hub model that is not cached), the others go
+    "test_offline.py::test_a_cached_hub_model_loads_offline_quietly": "7 s, with the cached hub it builds",
+    "test_offline.py::test_a_cached_gsm8k_loads_offline_quietly": "4 s",
+    "test_offline.py::test_a_trainer_without_gsm8k_says_where_to_get_it_in_one_line": "6 s",
+    "test_offline.py::test_the_sweep_given_a_hub_model_not_cached_says_so_in_one_line_and_leaves_no_folder[pre": "4 s",
+    "test_tracking.py::test_track_logs_every_row_to_wandb_offline[dpo.py]": "4 s, wandb's import; TensorBoard's stays",
+    "test_data_fingerprint.py::test_a_resume_with_one_test_answer_changed_is_refused_naming_test": "3 s; train's stays",
+    # simulations of thousands of studies: one case of each stays
+    "test_preflight.py::test_the_default_smallest_effect_tells_apart_what_the_docs_say": "3 s",
+    "test_preflight.py::test_the_preflight_predicts_the_standard_error_of_what_the_report_compares[0.3-": "3 s",
+    "test_intervals.py::test_the_difference_of_two_nmse_covers_95_percent_paired_by_seed[0.25]": "1 s; [0.0] stays",
 }
 
 
