@@ -67,16 +67,17 @@ class Args:
     """--track: the W&B team or user; None: your own"""
 
     # --- model and data ---
-    # qwen2.5-0.5b from the hub; smollm2: the packaged SmolLM2-135M-Instruct GGUF, the CPU preset's (it shows the
-    # pipeline, not the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a folder or .gguf
+    # qwen2.5-0.5b from the hub; organism: a 1M-parameter Qwen2 of multi-step arithmetic, the CPU preset's (organism.py,
+    # built once into the cache); smollm2: the packaged SmolLM2-135M-Instruct GGUF (it shows the pipeline on GSM8K, not
+    # the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a folder or .gguf
     model: str = "qwen2.5-0.5b"
-    """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (packaged), tiny, hub id or path"""
-    prompt_format: Literal["chat", "plain"] = "chat"
-    """chat (the tokenizer's chat template) or plain (only for a model without one)"""
+    """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, organism (built here), smollm2 (packaged), tiny, hub id or path"""
+    prompt_format: Literal["chat", "question", "plain"] = "chat"
+    """chat (the question and the instruction through the chat template), question (the question alone through it: the organism's), or plain (a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"
     """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
     data_dir: str | None = None
-    """folder with GSM8K's train.jsonl and test.jsonl; None: $GSM8K_DIR, else the hub"""
+    """folder with GSM8K's train.jsonl and test.jsonl; None: the organism's own task for --model organism, else $GSM8K_DIR, else the hub"""
     val_size: int = 500
     """problems carved out of train (fixed seed) for evaluation during training"""
     gradient_checkpointing: bool = False
@@ -150,7 +151,9 @@ class Args:
     eval_size: int = 500
     """validation problems per evaluation (at least 256 for a readable curve)"""
     test_size: int = 0
-    """test problems for the final number (0: all 1,319)"""
+    """test problems for the final number (0: the whole test split)"""
+    test_before: bool = True
+    """evaluate the same test problems before training too: results.json's test_before and the paired difference"""
     eval_batch_size: int = 256
     """prompts per generation batch in evaluation"""
     eval_max_new_tokens: int = 400
@@ -191,12 +194,21 @@ def validate(args: Args) -> None:
         )
 
 
-# The CPU preset: what this script runs on a machine without a GPU, minutes on 2 cores.
-CPU_SCALE = dict(
-    model="smollm2",  # the packaged model: no network
-    batch_size=2, max_new_tokens=96, total_steps=6, micro_batch_size=8, num_minibatches=2, lr=2e-6, mc_every=3,
-    mc_prompts=2, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32, eval_max_new_tokens=192, save_every=6,
-)  # fmt: skip
+# The CPU presets: what this script runs on a machine without a GPU, minutes on 2 cores (runtime.cli: the first is
+# the default model's; a model without its own takes the last). organism: the model organism (organism.py), the test
+# split before and after, paired. TUNING PENDING. smollm2: GSM8K on the packaged SmolLM2-135M, the pipeline only.
+CPU_SCALE = {
+    "organism": dict(
+        model="organism", batch_size=32, max_new_tokens=64, total_steps=30, micro_batch_size=256, lr=3e-5,
+        mc_every=10, mc_prompts=32, eval_every=10, eval_size=500, test_size=0, eval_batch_size=500,
+        eval_max_new_tokens=64, save_every=10,
+    ),
+    "smollm2": dict(
+        model="smollm2", batch_size=2, max_new_tokens=96, total_steps=6, micro_batch_size=8, num_minibatches=2,
+        lr=2e-6, mc_every=3, mc_prompts=2, eval_every=6, eval_size=32, test_size=64, eval_batch_size=32,
+        eval_max_new_tokens=192, save_every=6,
+    ),
+}  # fmt: skip
 
 METHOD = "grpo"  # the banner's title, the progress bar's, results.json's method
 
@@ -206,7 +218,7 @@ def main() -> None:
     # TRY NOT TO MODIFY: arguments and processes. TRY NOT TO MODIFY marks the skeleton that ppo.py, grpo.py and
     # dpo.py share line for line (tests/test_skeleton.py keeps it so); ALGO LOGIC marks the method
     # ==================================================================================================
-    args, scaled = runtime.cli(Args, Args(**CPU_SCALE))
+    args, scaled = runtime.cli(Args, CPU_SCALE)
     validate(args)
     dist_ = distributed.setup_distributed(args.device, args.fsdp)
     device, world = dist_.device, dist_.world
@@ -235,8 +247,8 @@ def main() -> None:
     # ==================================================================================================
     checkpoint.prepare_run_dir(run_dir, args.resume, dist_.main, args.resume_from_backup)
     runtime.seed_everything(args.seed)
-    splits = gsm8k.load_gsm8k(args.data_dir, args.val_size)
-    data_used = gsm8k.data_record(args.data_dir, splits)  # the folder read and each split's fingerprint
+    splits = gsm8k.load_gsm8k(args.data_dir, args.val_size, model=args.model)
+    data_used = gsm8k.data_record(args.data_dir, splits, args.model)  # the folder read and each split's fingerprint
     tokenizer = models.load_tokenizer(args.model)
     new_tokens = max(args.max_new_tokens, args.eval_max_new_tokens)
     gsm8k.check_prompt_lengths(splits, tokenizer, args.prompt_format, args.model, new_tokens)  # before any work
@@ -288,12 +300,14 @@ def main() -> None:
         if notice and dist_.main:
             print(notice, flush=True)
         counters.update(state["counters"])
+    test_before = state.get("test_before")  # the test split before training: evaluated once, before the loop
     if dist_.main:
-        data = f"GSM8K train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
+        task = "the organism's task" if args.model == models.ORGANISM and not args.data_dir else "GSM8K"
+        data = f"{task}: train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
         banner = {
             "model": f"{args.model} ({distributed.count_params(policy):,} parameters)",
             **banner,
-            "data": f"{data} ({gsm8k.resolve_data_dir(args.data_dir) or 'hub'}), task {args.task}",
+            "data": f"{data} ({gsm8k.resolve_data_dir(args.data_dir, args.model) or 'hub'}), task {args.task}",
             "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
         }
         print(logs.describe_run(METHOD.upper(), args, dist_, banner, scaled), flush=True)
@@ -317,7 +331,13 @@ def main() -> None:
 
     def save() -> None:  # on every rank: rank 0 writes, and under --fsdp every rank writes its shards
         counters["wall_time"], counters["metrics_rows"] = time.time() - t_start, logger.rows
-        state = {"counters": counters, "sampler": sampler.state_dict(), "world": world, "data": data_used}
+        state = {
+            "counters": counters,
+            "sampler": sampler.state_dict(),
+            "world": world,
+            "data": data_used,
+            "test_before": test_before,
+        }
         checkpoint.save_checkpoint(run_dir, tokenizer=tokenizer, state=state, **modules)
 
     # ==================================================================================================
@@ -332,6 +352,9 @@ def main() -> None:
     # ==================================================================================================
     # TRY NOT TO MODIFY: the loop: each step's method (ALGO LOGIC), then its evaluation, metrics and checkpoint
     # ==================================================================================================
+    if args.test_before and args.total_steps > 0 and test_before is None:  # a resume has the checkpoint's
+        before = run_eval("test", args.test_size)
+        test_before = {k: before[k] for k in ("accuracy", "ci95", "n", "correct")}
     show = dist_.main and args.progress
     bar = tqdm(total=args.total_steps, initial=counters["step"], desc=METHOD, disable=not show)
     while counters["step"] < args.total_steps and not (budget and counters["generated_tokens"] >= budget):
@@ -539,6 +562,8 @@ def main() -> None:
             "args": args_dict,
             "data": data_used,  # the folder actually read (args.data_dir as given) and the fingerprint
             "scaled_down": scaled,
+            "test_before": test_before,  # the same test problems before training, or None
+            **models.organism_record(args.model),  # the organism's settings and the sha256 of its weights, if it
             **generation.rollout_record(),  # the rollout backend actually used, every fallback and its reason
         }
         logs.write_results(run_dir, results, test, device, world)

@@ -106,7 +106,10 @@ def check_prompt_lengths(
     """The longest prompt of every split, in tokens (the few longest questions by UTF-8 bytes tokenised: a byte
     -level tokenizer never gives more tokens than bytes). A prompt that with max_new_tokens exceeds the model's
     context is refused naming its file and line; the memory estimate made before loading is made again with
-    the longest prompt in place of models.PROMPT_TOKENS. Returns the longest prompt's length."""
+    the longest prompt in place of models.PROMPT_TOKENS. The organism's data are checked against its alphabet
+    first (check_alphabet). Returns the longest prompt's length."""
+    if model == models.ORGANISM:
+        check_alphabet(splits, set(models.organism_info()["alphabet"]))
     try:
         context = models._model_config(model).max_position_embeddings
     except Exception:  # an unknown model or config: loading the model reports it
@@ -126,14 +129,35 @@ def check_prompt_lengths(
     return longest
 
 
-def resolve_data_dir(data_dir: str | None) -> str | None:
-    """--data-dir, else $GSM8K_DIR, else None (the hub id openai/gsm8k through `datasets`)."""
-    return data_dir or os.environ.get("GSM8K_DIR") or None
+def check_alphabet(splits: dict[str, list[Problem]], alphabet: set[str]) -> None:
+    """The organism knows only the characters of its own task (its other bytes' embeddings were never trained):
+    a question or answer with any other character is refused in one line, naming its file and line."""
+    for problems in splits.values():
+        for p in problems:
+            if outside := set(p.question + p.solution) - alphabet:
+                raise errors.UserError(
+                    f"{p.source}: {''.join(sorted(outside))[:20]!r} outside the organism's vocabulary (the characters "
+                    f"of its own task, {''.join(sorted(alphabet))!r}): the organism reads its own problems; drop "
+                    "--data-dir, or give another --model"
+                )
 
 
-def load_gsm8k(data_dir: str | None, val_size: int = 500, val_seed: int = 0) -> dict[str, list[Problem]]:
-    """GSM8K as {"train", "val", "test"}. val is a fixed, seeded sample of train, removed from train."""
-    data_dir = resolve_data_dir(data_dir)
+def resolve_data_dir(data_dir: str | None, model: str = "") -> str | None:
+    """--data-dir, else the organism's own task for --model organism (GSM8K_DIR names GSM8K's folder, not the
+    organism's), else $GSM8K_DIR, else None (the hub id openai/gsm8k through `datasets`)."""
+    if data_dir:
+        return data_dir
+    if model == models.ORGANISM:
+        return str(models.organism_folder() / "data")
+    return os.environ.get("GSM8K_DIR") or None
+
+
+def load_gsm8k(
+    data_dir: str | None, val_size: int = 500, val_seed: int = 0, model: str = ""
+) -> dict[str, list[Problem]]:
+    """GSM8K (or a task in its files) as {"train", "val", "test"}. val is a fixed, seeded sample of train, removed
+    from train. model: the run's --model (the organism reads its own task unless data_dir says otherwise)."""
+    data_dir = resolve_data_dir(data_dir, model)
     if data_dir is not None:
         root = Path(data_dir)
         if not root.is_dir():
@@ -174,11 +198,11 @@ def data_fingerprint(splits: dict[str, list[Problem]]) -> dict[str, dict[str, An
     return out
 
 
-def data_record(data_dir: str | None, splits: dict[str, list[Problem]]) -> dict[str, Any]:
+def data_record(data_dir: str | None, splits: dict[str, list[Problem]], model: str = "") -> dict[str, Any]:
     """results.json's and the checkpoint's "data": the folder actually read (--data-dir, else $GSM8K_DIR,
     resolved to an absolute path; "hub:openai/gsm8k" without one) and data_fingerprint. args.data_dir is left as
     given, so that a resume compares the flags the user passed."""
-    folder = resolve_data_dir(data_dir)
+    folder = resolve_data_dir(data_dir, model)
     return {
         "folder": str(Path(folder).resolve()) if folder is not None else "hub:openai/gsm8k",
         **data_fingerprint(splits),
@@ -334,9 +358,11 @@ def prompt_text(question: str) -> str:
 
 
 def encode_prompt(tokenizer: Any, question: str, prompt_format: str = "chat") -> list[int]:
-    """Token ids of the prompt for one problem. The only prompt builder: training and evaluation call it."""
-    content = prompt_text(question)
-    if prompt_format == "chat":
+    """Token ids of the prompt for one problem. The only prompt builder: training and evaluation call it.
+    chat: the question and the instruction through the chat template; question: the question alone through it (the
+    organism, which learned the answer's format in its fine-tuning); plain: "Question: ... Answer:"."""
+    content = question.strip() if prompt_format == "question" else prompt_text(question)
+    if prompt_format in ("chat", "question"):
         if not getattr(tokenizer, "chat_template", None):
             raise errors.UserError(
                 "this tokenizer has no chat template; pass --prompt-format plain to use plain-text prompts"
@@ -349,7 +375,7 @@ def encode_prompt(tokenizer: Any, question: str, prompt_format: str = "chat") ->
         return [int(i) for i in ids]
     if prompt_format == "plain":
         return tokenizer(f"Question: {content}\nAnswer:", add_special_tokens=True)["input_ids"]
-    raise errors.UserError(f"unknown --prompt-format {prompt_format!r}: use chat or plain")
+    raise errors.UserError(f"unknown --prompt-format {prompt_format!r}: use chat, question or plain")
 
 
 # ======================================================================================================

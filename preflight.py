@@ -292,7 +292,7 @@ def trainer_settings(command: Sequence[str]) -> dict:
     import ppo
 
     trainer = {"ppo.py": ppo, "grpo.py": grpo, "dpo.py": dpo}[script.name]
-    args, _ = runtime.cli(trainer.Args, trainer.Args(**trainer.CPU_SCALE), command[1:])
+    args, _ = runtime.cli(trainer.Args, trainer.CPU_SCALE, command[1:])
     settings = dataclasses.asdict(args)
     if "group_size" not in settings:
         raise errors.UserError(f"{command[0]} has no --group-size: the preflight samples a GRPO line")
@@ -307,7 +307,7 @@ def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict, dic
     device = dist_.device
     n = prompts or (GPU_PROMPTS if device.type == "cuda" else CPU_PROMPTS)
     G, T = int(args["group_size"]), int(args["max_new_tokens"])
-    splits = gsm8k.load_gsm8k(args["data_dir"], args["val_size"])
+    splits = gsm8k.load_gsm8k(args["data_dir"], args["val_size"], model=args["model"])
     try:
         tokenizer = models.load_tokenizer(args["model"])
         model = models.load_model(args["model"], tokenizer, args["seed"]).to(device).eval()

@@ -470,6 +470,8 @@ def _check_state(state: dict[str, Any], path: Path, saved: dict[str, Any]) -> No
         raise bad(f"sampler is {sampler!r}, not an epoch and a position")
     if "world" in state and not (count(state["world"]) and state["world"] >= 1):
         raise bad(f"world is {state['world']!r}, not a number of ranks")
+    if state.get("test_before") is not None and not isinstance(state["test_before"], dict):
+        raise bad(f"test_before is {state['test_before']!r}, not an evaluation")
     if "data" in state and not isinstance(state["data"], dict):  # absent in a checkpoint from before fingerprints
         raise bad(f"data is {state['data']!r}, not a data fingerprint")
 

@@ -5,7 +5,8 @@ Holds: the banner every trainer prints first (every setting, grouped as its Args
 scalars to TensorBoard and W&B; a resumed run's rows after its checkpoint moved aside), and write_results
 (results.json, atomically, and the run's last line).
 Does not hold: the checkpoint (checkpoint.py), the run folder's files and lock (rundir.py), reading results back
-for the report (read_runs.py). Imports errors, rundir, runtime and distributed.
+for the report (read_runs.py). Imports errors, rundir, runtime, distributed and
+intervals (the paired difference a run ends with).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from typing import Any
 
 import torch
 
+import intervals
 from plumbing.distributed import Dist, device_description, dtype_name
 from plumbing.errors import UserError
+from plumbing.models import ORGANISM
 from plumbing.rundir import named_path, open_nofollow, write_json_atomic
 from plumbing.runtime import notice_once
 
@@ -36,6 +39,9 @@ from plumbing.runtime import notice_once
 BANNER_WIDTH = 120
 
 
+ON_GSM8K = "--model smollm2 runs GSM8K on the packaged SmolLM2-135M (the pipeline; it solves 0.6%)"
+
+
 def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scaled: list[str]) -> str:
     """The banner every trainer prints first, each line at most BANNER_WIDTH characters (a longer word alone on its
     line): the device, what the trainer says of its run (extra: the model, the method, the data, the run folder),
@@ -43,6 +49,10 @@ def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scal
     wrap = dict(width=BANNER_WIDTH, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
     lines = [f"== {title} ==", f"device: {dist_.device} x {dist_.world} process(es), dtype: {dtype_name(dist_.device)}"]
     lines += [textwrap.fill(f"{k}: {v}", **wrap) for k, v in extra.items()]
+    if f"model {type(args)().model} -> {ORGANISM}" in scaled:  # the CPU preset chose the organism: say so first
+        lines.insert(
+            1, f"no GPU: the model organism (organism.py, arithmetic in GSM8K's format), not GSM8K; {ON_GSM8K}"
+        )
     if scaled:
         lines += _fill("CPU preset (no GPU; --scale study runs the study's settings):", scaled, ",", "    ")
     lines.append("settings:")
@@ -218,14 +228,30 @@ def _jsonable(v: Any) -> Any:
     return v  # NaN and inf as NaN and Infinity (Python's json reads them back); None stays null
 
 
+def accuracy_text(res: dict[str, Any]) -> str:
+    """An evaluation's accuracy and its 95% interval, in percent: "31.1% [28.3, 34.1]" ("none" over no problems)."""
+    if res["accuracy"] is None:
+        return "none"
+    lo, hi = res["ci95"]
+    return f"{100 * res['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
 def write_results(
     run_dir: Path, fields: dict[str, Any], test: dict[str, Any], device: torch.device, world: int
 ) -> None:
     """results.json (written atomically) and the one line a run ends with: its test accuracy."""
     results = {**fields, "test": test, "device": device_description(device, world), "date": time.strftime("%Y-%m-%d")}
     write_json_atomic(run_dir / "results.json", results)
-    lo, hi = test["ci95"]
-    acc = "none" if test["accuracy"] is None else f"{100 * test['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+    acc = accuracy_text(test)
+    before = fields.get("test_before")
+    if before and before.get("n") == test["n"] and test["n"]:
+        diff, d_lo, d_hi = intervals.paired_difference(test["correct"], before["correct"])
+        changed = sum(a != b for a, b in zip(test["correct"], before["correct"]))
+        print(
+            f"test accuracy before training {accuracy_text(before)}, after {acc}: paired difference "
+            f"{100 * diff:+.1f} points [{100 * d_lo:+.1f}, {100 * d_hi:+.1f}] ({changed} problems changed answer)",
+            flush=True,
+        )
     print(
         f"test accuracy {acc} on {test['n']} problems after {fields['steps']} steps ({run_dir / 'results.json'})",
         flush=True,

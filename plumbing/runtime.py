@@ -6,7 +6,8 @@ the lock released on every exit); cli (tyro with a preset as its default) and th
 validate() calls; seeding; StopSignal, stoppable, check_stop and stop_point (a signal stops a run within seconds);
 FiniteGuard (nothing non-finite is trained on); notice_once.
 Does not hold: processes and devices (distributed.py), the run folder's rules and lock (rundir.py), logs and
-results (logs.py), checkpoints (checkpoint.py). Imports errors, rundir and distributed.
+results (logs.py), checkpoints (checkpoint.py). Imports errors, rundir, models (a model's own settings) and
+distributed.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from plumbing.errors import (
     UserError,
     WriteFailed,
 )
+from plumbing.models import MODEL_SETTINGS
 
 # ======================================================================================================
 # The run's state in this process: one place, begun afresh where a run starts (run_main)
@@ -153,14 +155,16 @@ def run_main(main: Callable[[], Any]) -> None:
 T = TypeVar("T")
 
 
-def cli(cls: type[T], cpu: T, args: Sequence[str] | None = None) -> tuple[T, list[str]]:
-    """A trainer's Args from the command line, its defaults one of two explicit presets: the study's (cls()) or the
-    CPU's (`cpu`). --scale cpu, or --scale auto where --device resolves to the CPU, runs the CPU preset; --scale
-    study the study's. Those two flags are read first (flag_value), then tyro parses the command line once with the
-    chosen preset as its default, so --help shows the defaults that would run. A flag given always wins.
-    Returns the args and what the CPU preset changed ("batch_size 512 -> 8": each field left to the preset where it
-    differs from the study's), for the banner and results.json. A bad flag or value is a UserError of one line, not
-    tyro's box. args: the flags (default: the command line)."""
+def cli(cls: type[T], cpu: dict[str, dict[str, Any]], args: Sequence[str] | None = None) -> tuple[T, list[str]]:
+    """A trainer's Args from the command line, its defaults one of two explicit presets: the study's (cls()) or a
+    CPU preset. --scale cpu, or --scale auto where --device resolves to the CPU, runs a CPU preset; --scale study
+    the study's. The CPU presets are keyed by model: the first is the default model's, the one --model names when it
+    has its own, else the last (cpu: {"organism": {...}, "smollm2": {...}}). A model's own settings
+    (models.MODEL_SETTINGS: the organism's prompt) hold at either scale. --scale, --device and --model are read
+    first (flag_value), then tyro parses the command line once with the chosen defaults, so --help shows the values
+    that would run. A flag given always wins. Returns the args and what the CPU preset changed ("batch_size 512 ->
+    8": each field left to the preset where it differs from the study's), for the banner and results.json. A bad
+    flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line)."""
     flags = list(sys.argv[1:] if args is None else args)
     study = cls()
     scale = flag_value(flags, "scale", study.scale)
@@ -168,15 +172,35 @@ def cli(cls: type[T], cpu: T, args: Sequence[str] | None = None) -> tuple[T, lis
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if not (scale == "cpu" or (scale == "auto" and not device.startswith("cuda"))):
+        study = dataclasses.replace(study, **model_settings(cls, flag_value(flags, "model", study.model)))
         return _tyro_cli(cls, study, flags), []  # a bad --scale or --device is tyro's to refuse
-    out = _tyro_cli(cls, cpu, flags)
+    preset = cpu_preset(cls, cpu, flag_value(flags, "model", None))
+    out = _tyro_cli(cls, preset, flags)
     given = given_fields(cls, flags)
     changed = [
-        f"{f.name} {getattr(study, f.name)} -> {getattr(cpu, f.name)}"
+        f"{f.name} {getattr(study, f.name)} -> {getattr(preset, f.name)}"
         for f in dataclasses.fields(cls)
-        if f.name not in given and getattr(study, f.name) != getattr(cpu, f.name)
+        if f.name not in given and getattr(study, f.name) != getattr(preset, f.name)
     ]
     return out, changed
+
+
+def cpu_preset(cls: type[T], cpu: dict[str, dict[str, Any]], model: str | None = None) -> T:
+    """The CPU preset's Args for --model (None: not given): the model's own preset, else the last one (a model given
+    without its own), or the first (the default model's) when none is given; the model's own settings applied."""
+    presets = list(cpu.values())
+    chosen = presets[0] if model is None else cpu.get(model, presets[-1])
+    out = cls(**chosen)
+    if model is not None:
+        out = dataclasses.replace(out, model=model)
+    return dataclasses.replace(out, **model_settings(cls, out.model))
+
+
+def model_settings(cls: type, model: str) -> dict[str, Any]:
+    """The settings a model holds at any scale, unless a flag says otherwise (models.MODEL_SETTINGS), for the
+    fields cls has."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in MODEL_SETTINGS.get(model, {}).items() if k in names}
 
 
 def flag_value(flags: Sequence[str], name: str, default: Any) -> Any:

@@ -19,7 +19,7 @@ CHOICES = [
     ("ppo.py", "--kl-mode", "loss,reward"),
     ("ppo.py", "--lr-schedule", "constant,linear,cosine"),
     ("ppo.py", "--scale", "auto,study,cpu"),
-    ("ppo.py", "--prompt-format", "chat,plain"),
+    ("ppo.py", "--prompt-format", "chat,question,plain"),
     ("ppo.py", "--task", "gsm8k,toy"),
     ("grpo.py", "--baseline", "mean,loo"),
     ("grpo.py", "--scale-rewards", "group,none"),
@@ -34,7 +34,7 @@ def help_text(script: str, monkeypatch, capsys, gpu: bool = False) -> str:
     module = importlib.import_module(script.removesuffix(".py"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     with pytest.raises(SystemExit) as e:
-        runtime.cli(module.Args, module.Args(**module.CPU_SCALE), ["--help"])
+        runtime.cli(module.Args, module.CPU_SCALE, ["--help"])
     assert e.value.code == 0
     return " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().out).split())  # the box's lines joined
 
@@ -47,7 +47,7 @@ def test_help_lists_every_choice_and_the_preset_that_runs_here(script, monkeypat
             assert f"{flag} {{{choices}}}" in text, flag
     module = importlib.import_module(script.removesuffix(".py"))
     # without a GPU the defaults shown are the CPU preset's; with one, the study's
-    for key, value in module.CPU_SCALE.items():
+    for key, value in module.CPU_SCALE["organism"].items():
         flag = "--" + key.replace("_", "-")
         shown = re.search(rf"{flag} \S+ .*?\(default: ([^)]*)\)", text)
         assert shown and shown.group(1) == str(value), (flag, shown and shown.group(1))
@@ -80,16 +80,16 @@ def test_a_bad_flag_is_one_error_line_and_nothing_written(tmp_path, case):
 def test_the_scale_picks_a_preset_and_flags_given_win(monkeypatch):
     from ppo import CPU_SCALE, Args
 
-    cpu = Args(**CPU_SCALE)
+    cpu, preset = CPU_SCALE, runtime.cpu_preset(Args, CPU_SCALE)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args, changed = runtime.cli(Args, cpu, ["--batch-size", "6"])
     assert (args.batch_size, args.max_new_tokens, changed) == (6, Args().max_new_tokens, [])  # auto on a GPU
     args, changed = runtime.cli(Args, cpu, ["--scale", "cpu", "--batch-size", "6"])
-    assert args.batch_size == 6 and args.max_new_tokens == CPU_SCALE["max_new_tokens"]
-    assert f"max_new_tokens {Args().max_new_tokens} -> {CPU_SCALE['max_new_tokens']}" in changed
+    assert args.batch_size == 6 and args.max_new_tokens == preset.max_new_tokens
+    assert f"max_new_tokens {Args().max_new_tokens} -> {preset.max_new_tokens}" in changed
     assert not any(c.startswith("batch_size") for c in changed)
     args, _ = runtime.cli(Args, cpu, ["--device", "cpu"])  # auto where --device resolves to the CPU
-    assert args.total_steps == CPU_SCALE["total_steps"]
+    assert args.total_steps == preset.total_steps
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args, changed = runtime.cli(Args, cpu, ["--scale", "study"])
     assert args == Args(scale="study") and changed == []
@@ -104,17 +104,18 @@ def test_the_command_line_is_parsed_once(monkeypatch):
     calls: list = []
     real = tyro.cli
     monkeypatch.setattr(tyro, "cli", lambda *a, **k: calls.append(k.get("default")) or real(*a, **k))
+    cpu = runtime.cpu_preset(Args, CPU_SCALE)
     for gpu, flags, preset in [
-        (False, ["--batch-size", "6"], Args(**CPU_SCALE)),
+        (False, ["--batch-size", "6"], cpu),
         (True, ["--batch-size", "6"], Args()),
-        (True, ["--scale=cpu"], Args(**CPU_SCALE)),
-        (True, ["--device=cpu"], Args(**CPU_SCALE)),  # auto, where --device resolves to the CPU
+        (True, ["--scale=cpu"], cpu),
+        (True, ["--device=cpu"], cpu),  # auto, where --device resolves to the CPU
         (False, ["--scale", "study", "--device", "cpu"], Args()),
         (False, ["--device", "cpu", "--scale", "auto", "--scale", "study"], Args()),  # the last one given counts
     ]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
         calls.clear()
-        args, _ = runtime.cli(Args, Args(**CPU_SCALE), flags)
+        args, _ = runtime.cli(Args, CPU_SCALE, flags)
         assert calls == [preset], (gpu, flags)
         assert args.max_new_tokens == preset.max_new_tokens
 
@@ -126,16 +127,17 @@ def test_a_flag_given_is_never_reported_as_scaled(monkeypatch):
     from ppo import CPU_SCALE, Args
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    study = Args()
-    flags = ["--num-minibatches", str(study.num_minibatches), f"--max_new_tokens={CPU_SCALE['max_new_tokens']}",
-             "--total-steps", str(CPU_SCALE["total_steps"]), "--no-progress"]  # fmt: skip
-    args, changed = runtime.cli(Args, Args(**CPU_SCALE), flags)
+    study, preset = Args(), CPU_SCALE["smollm2"]
+    flags = ["--model", "smollm2", "--num-minibatches", str(study.num_minibatches),
+             f"--max_new_tokens={preset['max_new_tokens']}", "--total-steps", str(preset["total_steps"]),
+             "--no-progress"]  # fmt: skip
+    args, changed = runtime.cli(Args, CPU_SCALE, flags)
     assert args.num_minibatches == study.num_minibatches and args.progress is False
-    assert (args.max_new_tokens, args.total_steps) == (CPU_SCALE["max_new_tokens"], CPU_SCALE["total_steps"])
-    left = [k for k, v in CPU_SCALE.items() if k not in ("num_minibatches", "max_new_tokens", "total_steps")]
-    assert changed == [f"{k} {getattr(study, k)} -> {CPU_SCALE[k]}" for k in Args.__dataclass_fields__ if k in left]
+    assert (args.max_new_tokens, args.total_steps) == (preset["max_new_tokens"], preset["total_steps"])
+    left = [k for k in preset if k not in ("model", "num_minibatches", "max_new_tokens", "total_steps")]
+    assert changed == [f"{k} {getattr(study, k)} -> {preset[k]}" for k in Args.__dataclass_fields__ if k in left]
     for k in left:
-        assert getattr(args, k) == CPU_SCALE[k]
+        assert getattr(args, k) == preset[k]
 
 
 def test_help_shows_the_preset_the_flags_given_choose(monkeypatch, capsys):
@@ -144,7 +146,7 @@ def test_help_shows_the_preset_the_flags_given_choose(monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
-        runtime.cli(Args, Args(**CPU_SCALE), ["--scale", "study", "--help"])
+        runtime.cli(Args, CPU_SCALE, ["--scale", "study", "--help"])
     assert e.value.code == 0
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", capsys.readouterr().out).split())
     assert re.search(rf"--batch-size INT .*?\(default: {Args().batch_size}\)", text), text[:400]

@@ -297,6 +297,7 @@ def watched_run(name: str, run_dir) -> dict:
         mc_samples=MC_SAMPLES,
         eval_size=1,
         test_size=1,
+        no_test_before=True,  # the rollouts watched are the step's only
         eval_max_new_tokens=1,
     )
     with pytest.MonkeyPatch.context() as mp:

@@ -28,7 +28,7 @@ def help_of(script: str, monkeypatch, capsys, columns: int) -> str:
     module = importlib.import_module(script.removesuffix(".py"))
     with pytest.raises(SystemExit) as e:
         if hasattr(module, "CPU_SCALE"):  # a trainer
-            runtime.cli(module.Args, module.Args(**module.CPU_SCALE), ["--help"])
+            runtime.cli(module.Args, module.CPU_SCALE, ["--help"])
         else:
             module.main(["--help"])
     assert e.value.code == 0
@@ -110,7 +110,7 @@ def test_help_never_asks_to_install_what_requirements_installs(script, monkeypat
 def banner_of(script: str, flags: list[str], monkeypatch) -> tuple[str, object, list[str]]:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     module = importlib.import_module(script.removesuffix(".py"))
-    args, scaled = runtime.cli(module.Args, module.Args(**module.CPU_SCALE), flags)
+    args, scaled = runtime.cli(module.Args, module.CPU_SCALE, flags)
     dist_ = SimpleNamespace(device=torch.device("cpu"), world=1)
     extra = {"model": "tiny (3,219,776 parameters)", "run_dir": "runs/x"}
     return logs.describe_run(module.METHOD.upper(), args, dist_, extra, scaled), args, scaled

@@ -29,7 +29,7 @@ LAYERS = [
     ["common"],
     ["gsm8k"],
     ["measure"],
-    ["ppo", "grpo", "dpo", "read_runs", "sweep_runner"],
+    ["ppo", "grpo", "dpo", "organism", "read_runs", "sweep_runner"],
     ["preflight", "plots", "estimate"],
     ["report"],
 ]

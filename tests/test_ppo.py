@@ -143,11 +143,11 @@ def test_cpu_scale_leaves_flags_given_on_the_command_line():
     from ppo import CPU_SCALE, Args
 
     flags = ["--device", "cpu", "--num-minibatches", "4", "--batch-size", "6"]
-    args, changed = runtime.cli(Args, Args(**CPU_SCALE), flags)
+    args, changed = runtime.cli(Args, CPU_SCALE, flags)
     assert args.num_minibatches == 4 and not any(c.startswith("num_minibatches") for c in changed)
     assert args.batch_size == 6  # not a default: kept
-    assert args.max_new_tokens == CPU_SCALE["max_new_tokens"]  # left at its default: scaled
-    assert runtime.cli(Args, Args(**CPU_SCALE), ["--scale", "study", "--device", "cpu"])[1] == []
+    assert args.max_new_tokens == CPU_SCALE["organism"]["max_new_tokens"]  # left at its default: scaled
+    assert runtime.cli(Args, CPU_SCALE, ["--scale", "study", "--device", "cpu"])[1] == []
 
 
 # ------------------------------------------------------------------------------------------------------

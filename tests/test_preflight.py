@@ -365,7 +365,7 @@ def test_the_preflight_reads_a_trainers_settings_in_process_without_loading_anyt
         ["grpo.py", "--model", "tiny", "--scale", "cpu", "--group-size", "3", "--run-dir", str(run_dir)]
     )
     assert args["group_size"] == 3 and args["model"] == "tiny"  # the flags given win
-    assert args["max_new_tokens"] == grpo.CPU_SCALE["max_new_tokens"] == 96  # the CPU preset applied
+    assert args["max_new_tokens"] == grpo.CPU_SCALE["smollm2"]["max_new_tokens"] == 96  # tiny's CPU preset applied
     assert args["scale"] == "cpu" and not run_dir.exists()
     assert preflight.trainer_settings([str(REPO / "grpo.py")])["group_size"] == grpo.Args().group_size
 

@@ -61,7 +61,8 @@ def test_training_and_evaluation_feed_identical_token_ids(tmp_path, monkeypatch,
 
     monkeypatch.setattr(generation, "generate", watched)
     run_ppo_in_process(
-        cli(tmp_path / "run", total_steps=1, batch_size=2, mc_every=0, eval_size=2, test_size=2), monkeypatch
+        cli(tmp_path / "run", total_steps=1, batch_size=2, mc_every=0, eval_size=2, test_size=2, no_test_before=True),
+        monkeypatch,
     )
     training_prompt = fed[0][0]  # the first rollout of the first step
 

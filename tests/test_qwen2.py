@@ -341,12 +341,22 @@ def test_short_names_are_their_hub_ids():
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
-def test_the_study_runs_qwen25_05b_and_the_cpu_preset_the_packaged_model(script):
+def test_the_study_runs_qwen25_05b_and_the_cpu_preset_the_organism(script):
+    """On a GPU the study's model; on the CPU the organism, with its own prompt (the question alone); any other
+    model given takes the packaged model's preset, and the organism keeps its prompt at the study's scale too."""
     import importlib
+
+    from plumbing import runtime
 
     module = importlib.import_module(script.removesuffix(".py"))
     assert module.Args().model == "qwen2.5-0.5b"
-    assert module.Args(**module.CPU_SCALE).model == models.PACKAGED_MODEL
+    cpu = runtime.cpu_preset(module.Args, module.CPU_SCALE)
+    assert (cpu.model, cpu.prompt_format) == (models.ORGANISM, "question")
+    tiny = runtime.cpu_preset(module.Args, module.CPU_SCALE, "tiny")
+    assert (tiny.model, tiny.prompt_format) == ("tiny", "chat")
+    assert tiny.max_new_tokens == module.CPU_SCALE[models.PACKAGED_MODEL]["max_new_tokens"]
+    study, _ = runtime.cli(module.Args, module.CPU_SCALE, ["--scale", "study", "--model", "organism"])
+    assert study.prompt_format == "question" and study.batch_size == module.Args().batch_size
 
 
 def test_a_model_that_cannot_be_fetched_is_one_line_before_anything_is_written(tmp_path):

@@ -74,7 +74,7 @@ def test_the_skeleton_holds_the_shared_life_of_a_run(name):
     kinds = [kind for kind, _ in regions(text)]
     assert kinds.count(TRY) >= 4 and kinds.count(ALGO) >= 3, kinds
     shared = "\n".join(line for lines in skeleton(text) for line in lines)
-    order = ["runtime.cli(Args, Args(**CPU_SCALE))", "checkpoint.prepare_run_dir(", "checkpoint.load_checkpoint(",
+    order = ["runtime.cli(Args, CPU_SCALE)", "checkpoint.prepare_run_dir(", "checkpoint.load_checkpoint(",
              "logs.describe_run(", "logs.MetricsLogger(", "def save()", "while counters", "logger.log(",
              "stopper.should_stop()", "logs.write_results("]  # fmt: skip
     places = [shared.find(s) for s in order]

@@ -1,0 +1,287 @@
+"""The model organism (organism.py): its task in GSM8K's files, its tokenizer, its fine-tuning, the folder it writes,
+and how the trainers find it (--model organism: plumbing/models.py builds it once into the cache).
+
+A seconds-long organism (a 1-layer model, a few hundred problems, one check) is built once for the module; the
+tests that need the real one (learning, the main job) are in the slow lane."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import check_one_error_line, run_here
+
+import gsm8k
+import organism
+from plumbing import forward, generation, models, rollout
+
+# a seconds-long build: its numbers mean nothing, its files are the real ones' shape
+TINY_FLAGS = dict(
+    hidden=32, layers=1, heads=2, intermediate=64, train_size=300, test_size=100, eval_problems=32, eval_every=20,
+    target_accuracy=0, batch_size=16, warmup_steps=5, samples=2, report_problems=16,
+)  # fmt: skip
+
+
+def flags(**kw) -> list[str]:
+    out = []
+    for k, v in kw.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("organism") / "org"
+    proc = run_here("organism.py", [*flags(out=out, **TINY_FLAGS), "--no-progress"])
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# 1. the task
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_same_seed_same_problems_and_another_seed_others():
+    args = organism.Args(**TINY_FLAGS)
+    a, b = organism.make_splits(args), organism.make_splits(args)
+    assert a[0] == b[0] and a[1] == b[1]
+    assert [next(a[2]) for _ in range(50)] == [next(b[2]) for _ in range(50)]
+    other = organism.make_splits(organism.Args(**TINY_FLAGS, seed=1))
+    assert other[1] != a[1]
+
+
+def test_the_splits_and_the_stream_are_disjoint():
+    args = organism.Args(**TINY_FLAGS)
+    train, test, stream = organism.make_splits(args)
+    train_q, test_q = {q for q, _ in train}, {q for q, _ in test}
+    assert len(train_q) == len(train) and len(test_q) == len(test)  # no problem twice
+    assert not train_q & test_q
+    sft = {next(stream)[0] for _ in range(5000)}
+    assert not sft & (train_q | test_q)
+
+
+def test_answers_are_written_as_gsm8k_writes_them_and_each_step_is_right():
+    args = organism.Args(**TINY_FLAGS, seed=3)
+    rng = random.Random(0)
+    for _ in range(500):
+        q, a = organism.make_problem(rng, args)
+        assert q.startswith("What is ") and q.endswith("?")
+        *steps, last = a.split("\n")
+        assert args.min_ops <= len(steps) <= args.max_ops and last.startswith("#### ")
+        value = None
+        for line in steps:  # "a op b = c", each c the next line's a
+            x, op, y, eq, z = line.split()
+            assert eq == "=" and int(z) == (int(x) + int(y) if op == "+" else int(x) - int(y)) and int(z) >= 0
+            assert value is None or int(x) == value
+            value = int(z)
+        assert last == f"#### {value}"
+        assert " ".join(q[len("What is ") : -1].split()) == " ".join([steps[0].split()[0]] + [
+            w for line in steps for w in line.split()[1:3]
+        ])  # fmt: skip
+
+
+def test_every_gold_answer_scores_one_and_a_wrong_final_number_zero(built):
+    data = gsm8k.load_gsm8k(str(built / "data"), val_size=50)
+    problems = data["train"] + data["val"] + data["test"]
+    assert len(data["test"]) == TINY_FLAGS["test_size"] and len(data["train"]) + len(data["val"]) == 300
+    for p in problems:
+        assert gsm8k.gsm8k_reward(gsm8k.reference_solution(p), p.gold) == 1.0
+        assert gsm8k.gsm8k_reward(p.solution, p.gold) == 1.0
+        head = p.solution.rpartition("####")[0]
+        assert gsm8k.gsm8k_reward(f"{head}#### {int(p.gold) + 1}", p.gold) == 0.0
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        (dict(min_ops=3, max_ops=2), "--max-ops 2 must be at least --min-ops 3"),
+        (dict(max_number=3), "too few for the"),
+        (dict(target_accuracy=1.5), "--target-accuracy"),
+        (dict(hidden=30, heads=4), "--hidden 30 must be a multiple of --heads 4"),
+    ],
+)
+def test_a_bad_knob_is_one_error_line_before_anything_is_written(tmp_path, bad, says):
+    out = tmp_path / "org"
+    proc = run_here("organism.py", flags(out=out, **{**TINY_FLAGS, **bad}))
+    assert proc.returncode == 2
+    assert says in check_one_error_line(proc)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_folder_is_refused(built):
+    proc = run_here("organism.py", flags(out=built, **TINY_FLAGS))
+    assert proc.returncode == 2 and "exists" in check_one_error_line(proc)
+
+
+# ------------------------------------------------------------------------------------------------------
+# 2. the tokenizer
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_token_ids_survive_saving_and_loading_with_auto_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = organism.make_tokenizer()
+    tok.save_pretrained(tmp_path)
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    texts = ["What is 19 + 30 - 7?", "19 + 30 = 49\n49 - 7 = 42\n#### 42", "  two  spaces\n\nand lines ",
+             "<|user|>What is 1 + 2?<|im_end|><|assistant|>1 + 2 = 3\n#### 3<|im_end|>", "é ü 字"]  # fmt: skip
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert again.encode(text, add_special_tokens=False) == ids
+        assert again.decode(ids) == text
+    assert len(tok.encode("a b + 1\n2", add_special_tokens=False)) == 9  # a token per byte: spaces and newlines kept
+    specials = [organism.PAD, organism.END, organism.USER, organism.ASSISTANT, organism.SYSTEM]
+    assert [again.convert_tokens_to_ids(s) for s in specials] == list(range(256, 261))
+    assert again.eos_token == organism.END and again.pad_token == organism.PAD
+
+
+def test_the_prompt_ids_are_plain_apply_chat_template_of_the_question(built):
+    from transformers import AutoTokenizer
+
+    plain = AutoTokenizer.from_pretrained(built / "model")
+    project = models.load_tokenizer(str(built / "model"))
+    for q in ["What is 3 + 4 - 1?", "What is 40 - 40 + 0?"]:
+        ids = plain.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert gsm8k.encode_prompt(project, q, "question") == list(ids)
+        assert plain.decode(ids) == f"<|user|>{q}<|im_end|><|assistant|>"
+
+
+# ------------------------------------------------------------------------------------------------------
+# 3. the model and its folder
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_the_folder_loads_with_plain_transformers_and_its_record_holds(built):
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(built / "model")
+    assert model.config.model_type == "qwen2" and model.config.vocab_size == 261
+    assert sorted(p.name for p in (built / "model").iterdir()) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
+    ]  # fmt: skip
+    assert not (built / "model" / "config.json").read_text().count("auto_map")  # no remote code
+    gen = GenerationConfig.from_pretrained(built / "model")
+    assert gen.eos_token_id == 257 and gen.pad_token_id == 256 and not gen.do_sample
+    record = json.loads((built / "organism.json").read_text())
+    assert models.organism_damage(built) is None  # every file's sha256 as recorded
+    assert record["settings"]["hidden"] == 32 and record["report"]["test_n"] == 100
+    assert set(record["alphabet"]) == set("0123456789 +-=?#\nWhatis")
+    longest = max(len(json.loads(line)["question"]) for line in (built / "data" / "test.jsonl").open()) + 3
+    assert model.config.max_position_embeddings >= longest + record["report"]["max_new_tokens"]
+
+
+def test_the_loss_falls_in_a_seconds_long_fine_tuning(built):
+    from transformers import AutoModelForCausalLM
+
+    tok = models.load_tokenizer(str(built / "model"))
+    trained = AutoModelForCausalLM.from_pretrained(built / "model")
+    torch.manual_seed(0)
+    args = organism.Args(**TINY_FLAGS)
+    fresh = organism.make_model(args, tok, trained.config.max_position_embeddings)
+    rows = [json.loads(line) for line in (built / "data" / "test.jsonl").open()][:32]
+    ids, mask, labels = organism.batch_tensors(
+        [organism.encode_example(tok, r["question"], r["answer"]) for r in rows], tok.pad_token_id
+    )
+    with torch.no_grad():
+        before = fresh(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+        after = trained(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    assert before > 5.0 and after < before - 1.5, (before, after)  # ln 261 = 5.56 at random
+
+
+def test_static_engine_greedy_equals_transformers_generate(built):
+    from transformers import AutoModelForCausalLM
+
+    tok = models.load_tokenizer(str(built / "model"))
+    model = AutoModelForCausalLM.from_pretrained(built / "model").eval()
+    qs = [json.loads(line)["question"] for line in (built / "data" / "test.jsonl").open()][:6]
+    prompts = [gsm8k.encode_prompt(tok, q, "question") for q in qs]
+    ro = generation.generate(model, prompts, max_new_tokens=24, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                             backend="static")  # fmt: skip
+    for i, p in enumerate(prompts):  # one prompt at a time: no padding in transformers' own generate
+        out = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p) :].tolist()
+        n = int(ro.lengths[i])
+        assert ro.response_ids[i, :n].tolist() == out[:n]
+
+
+def test_rollout_logprobs_equal_the_training_forward(built):
+    from transformers import AutoModelForCausalLM
+
+    tok = models.load_tokenizer(str(built / "model"))
+    model = AutoModelForCausalLM.from_pretrained(built / "model").eval()
+    qs = [json.loads(line)["question"] for line in (built / "data" / "test.jsonl").open()][:8]
+    prompts = [gsm8k.encode_prompt(tok, q, "question") for q in qs]
+    u = rollout.step_uniforms(1, 0, 0, len(prompts), 24, torch.device("cpu"))
+    for backend in ("hf", "static"):
+        ro = generation.generate(model, prompts, max_new_tokens=24, eos_id=tok.eos_token_id,
+                                 pad_id=tok.pad_token_id, uniforms=u, backend=backend)  # fmt: skip
+        again = forward.rollout_logprobs(forward.PolicyForward(model), ro, micro=4)
+        assert torch.allclose(again, ro.logprobs, atol=1e-5), (backend, (again - ro.logprobs).abs().max())
+
+
+# ------------------------------------------------------------------------------------------------------
+# --model organism: built once into the cache, checked, its own data, its record in results.json
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_cache(tmp_path_factory):
+    """RLVR_CACHE in a folder of the module's, and the cached organism a seconds-long one (models.ORGANISM_FLAGS)."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLVR_CACHE", str(cache))
+        mp.setattr(models, "ORGANISM_FLAGS", [*flags(**TINY_FLAGS), "--no-progress"])
+        mp.setattr(models, "_ORGANISM_CHECKED", set())
+        yield cache
+
+
+def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_cache, capfd):
+    folder = models.organism_folder()
+    assert "building the organism once" in capfd.readouterr().out
+    assert folder.parent == small_cache and models.resolve_model("organism") == folder / "model"
+    models._ORGANISM_CHECKED.clear()  # a new process: its files checked again, not rebuilt
+    assert models.organism_folder() == folder and "building" not in capfd.readouterr().out
+    weights = folder / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])  # a truncated copy
+    models._ORGANISM_CHECKED.clear()
+    assert models.organism_folder() == folder
+    said = capfd.readouterr().out
+    assert "is damaged (model/model.safetensors is not the file that was built" in said and "building it again" in said
+    assert models.organism_damage(folder) is None and len(list(small_cache.glob("organism-*.damaged-*"))) == 1
+
+
+def test_a_run_on_the_organism_reads_its_task_and_records_it(small_cache, tmp_path):
+    from helpers import check_results, cli
+
+    run = tmp_path / "run"
+    sizes = dict(model="organism", batch_size=2, group_size=2, max_new_tokens=8, micro_batch_size=4, num_minibatches=1,
+                 mc_every=0, eval_every=0, val_size=50, eval_size=8, test_size=8, eval_max_new_tokens=8, total_steps=1)  # fmt: skip
+    proc = run_here("grpo.py", cli(run, base=sizes))
+    assert proc.returncode == 0, proc.stderr
+    results = check_results(run, steps=1)
+    folder = models.organism_folder()
+    assert results["data"]["folder"] == str((folder / "data").resolve())  # GSM8K_DIR is set: not read
+    assert results["args"]["prompt_format"] == "question" and results["args"]["data_dir"] is None
+    record = results["organism"]
+    assert record["sha256"]["model/model.safetensors"] == models.file_sha256(folder / "model" / "model.safetensors")
+    assert record["settings"]["hidden"] == TINY_FLAGS["hidden"] and record["settings"]["seed"] == models.ORGANISM_SEED
+    before, after = results["test_before"], results["test"]
+    assert before["n"] == after["n"] == 8 and len(before["correct"]) == 8
+    assert "test accuracy before training" in proc.stdout and "paired difference" in proc.stdout
+    assert "the organism's task: train" in proc.stdout
+
+
+def test_gsm8k_through_data_dir_is_outside_the_organisms_vocabulary(small_cache, tmp_path, gsm8k_dir):
+    from helpers import cli
+
+    proc = run_here("grpo.py", cli(tmp_path / "run", base=dict(model="organism", total_steps=1), data_dir=gsm8k_dir))
+    assert proc.returncode == 2
+    line = check_one_error_line(proc)
+    assert "train.jsonl:1:" in line and "outside the organism's vocabulary" in line
+    assert not (tmp_path / "run").exists()
