@@ -37,7 +37,7 @@ import common
 import gsm8k
 import intervals
 import measure
-from plumbing import distributed, errors, generation, models, rollout, rundir, runtime
+from plumbing import cmdline, distributed, errors, generation, models, rollout, rundir, runtime
 
 REPO = Path(__file__).resolve().parent
 SMALLEST_EFFECT = 0.05  # refuse when GRPO's 3-seed nmse interval at the prompt is wider than +- this (measurement.md)
@@ -415,7 +415,7 @@ def preflight(a: Args, command: Sequence[str]) -> tuple[bool, dict]:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    a = runtime.parse_args(Args, argv[:cut])
+    a = cmdline.parse_args(Args, argv[:cut])
     passed, stats = preflight(a, argv[cut + 1 :])
     print(stats["verdict"], flush=True)
     if not passed:

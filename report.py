@@ -32,7 +32,7 @@ import measure
 import preflight
 from estimate import estimate_markdown, model_estimate_markdown
 from plots import plot_crossover, plot_curves, plot_errors, plot_run
-from plumbing import errors, runtime
+from plumbing import cmdline, errors, runtime
 from read_runs import (
     ERROR_COLUMNS,
     FLOPS_PARTS,
@@ -637,7 +637,7 @@ def pyplot() -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = runtime.parse_args(Args, argv)
+    a = cmdline.parse_args(Args, argv)
     if a.estimate_model:
         print(model_estimate_markdown(a.estimate_model, a.steps, a.seeds, a.eval_every))
         return
