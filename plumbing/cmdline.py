@@ -1,8 +1,8 @@
 """The command line read with tyro, its refusals one line. No torch: sweep_runner.py uses it before any trainer starts.
 
 Holds: parse (tyro with a given instance as its defaults; a bad flag or value a UserError of one line, not tyro's box),
-parse_args (the same with the class's own defaults), help_opening (--help's first paragraph), tyro_message (tyro's
-error box as one line), flag_value and given_fields (what the flags say before tyro parses them).
+parse_args (the same with the class's own defaults), help_opening and fill (--help's first paragraph, any paragraph),
+tyro_message (tyro's error box as one line), flag_value and given_fields (what the flags say before tyro parses them).
 Does not hold: the trainers' two presets and the device they depend on (runtime.cli), any script's Args. Imports
 errors only.
 """
@@ -86,16 +86,28 @@ def help_opening(cls: type) -> str:
     own = cls.__doc__ or ""
     if not own.startswith(cls.__name__ + "("):  # not the signature dataclass writes where there is no docstring
         parts.append(" ".join(own.split()))
+    return "\n\n".join(fill(p) for p in parts if p)
+
+
+def fill(paragraph: str, first: str = "", hanging: str = "  ") -> str:
+    """One paragraph of --help's description, wrapped at words to the terminal's width (at most 120), after `first`
+    on its first line and `hanging` on the others: an indent, for tyro joins a line of the description that starts
+    with a letter to the line before it."""
     width = max(40, min(shutil.get_terminal_size().columns, 120))
-    # a hanging indent: tyro joins a line of the description that starts with a letter to the line before it
-    wrap = dict(width=width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
-    return "\n\n".join(textwrap.fill(p, **wrap) for p in parts if p)
+    return textwrap.fill(
+        " ".join(paragraph.split()),
+        width,
+        initial_indent=first,
+        subsequent_indent=hanging,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def tyro_message(box: str) -> str:
     """tyro's error box -> its message on one line. rich draws the box with borders and the title in the top one,
     or (no terminal features) plain: the title alone above a rule of dashes. The message is the first block of
-    text after the title, up to the next rule; the help hints after it are left out."""
+    text after the title, up to the next rule or blank row; the details and help hints after it are left out."""
     box = re.sub(r"\x1b\[[0-9;]*m", "", box)  # colours, if any
     rows = [line.strip().strip("│").strip() for line in box.splitlines()]
     is_rule = [bool(r) and set(r) <= set("─-") for r in rows]
@@ -107,6 +119,8 @@ def tyro_message(box: str) -> str:
             title = not any(blocks) and i + 1 < len(rows) and is_rule[i + 1] and len(blocks) == 1
             if not title:  # the plain title: a first line right above a rule
                 blocks[-1].append(row)
+        elif blocks[-1]:  # a blank row ends the message: what follows details it ("Got errors: ...")
+            blocks.append([])
     text = next((b for b in blocks if b), [])
     out = ""
     for piece in text:  # rich wraps at the box's width; a wrapped "." or ")" joins without a space
