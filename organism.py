@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 import gsm8k
-from plumbing import errors, generation, models, rollout, runtime
+from plumbing import cmdline, errors, generation, models, rollout, runtime
 
 
 @dataclass
@@ -82,7 +82,7 @@ class Args:
     """the MLP's inner width"""
 
     # --- supervised fine-tuning ---
-    batch_size: int = 32
+    batch_size: int = 64
     """sequences per step"""
     lr: float = 3e-3
     """AdamW learning rate after warmup"""
@@ -276,7 +276,7 @@ def sha256(path: Path) -> str:
 
 
 def main() -> None:
-    args = runtime.parse_args(Args)
+    args = cmdline.parse_args(Args)
     validate(args)
     out, t0 = Path(args.out), time.time()
     settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("out", "progress")}

@@ -1,15 +1,16 @@
 """The sweep's preflight: can the study's model answer the question at the study's settings, before a GPU-day?
 
-A baseline matters only where 0 < p < 1: a prompt the model always or never solves carries no information about
-any baseline (docs/science.md). This samples the reference GRPO line of the sweep's plan (its model, task, prompt
+A baseline matters only where 0 < p < 1: a prompt the model always or never solves carries no information about any
+baseline (docs/science.md). This samples the reference GRPO line of the sweep's plan (its model, task, prompt
 format, temperature, top-p, max new tokens and group size G, read from the trainer as it would run them) for a few
-hundred train prompts, G times each, and makes the run's Monte Carlo measurement on the first completion of each.
-It writes OUT/preflight.json: the pass rate, the outcome variance E[p(1-p)] (unbiased), the informative share (of
-prompts with 0 < p_hat < 1), the share d of the outcome's variance resolved inside, and the standard error of each
-nmse the report compares, for one run: GRPO's leave-one-out mean and a perfect critic, at the prompt states and over
-the token-weighted states (predicted_errors), with the median half-width of the report's 3-seed interval of GRPO's
-nmse at the prompt. It prints one line and exits 0 when that half-width is at most the smallest effect worth
-detecting (--smallest-effect, docs/measurement.md), 3 when it is not. ./sweep.sh runs it (docs/sweep.md):
+hundred train prompts, G times each, and makes the run's Monte Carlo measurement on the first completion of each. It
+writes OUT/preflight.json: the pass rate, the outcome variance E[p(1-p)] (unbiased), the informative share (of
+prompts with 0 < p_hat < 1), the share d of the outcome's variance resolved inside (+- its standard error), and the
+standard error of each nmse the report compares, for one run: GRPO's leave-one-out mean and a perfect critic, at the
+prompt states and over the token-weighted states (predicted_errors), with the median half-width of the report's
+3-seed interval of GRPO's nmse at the prompt. It prints one line and exits 0 when that half-width is at most the
+smallest effect worth detecting (--smallest-effect, docs/measurement.md), 3 when it is not. ./sweep.sh runs it
+(docs/sweep.md):
 
     ./sweep.sh --preflight                       # the plan's reference GRPO line, on this machine
     python preflight.py --out runs/sweep -- grpo.py --model smollm2 --task gsm8k    # any GRPO command
@@ -37,7 +38,7 @@ import common
 import gsm8k
 import intervals
 import measure
-from plumbing import distributed, errors, generation, models, rollout, rundir, runtime
+from plumbing import cmdline, distributed, errors, generation, models, rollout, rundir, runtime
 
 REPO = Path(__file__).resolve().parent
 SMALLEST_EFFECT = 0.05  # refuse when GRPO's 3-seed nmse interval at the prompt is wider than +- this (measurement.md)
@@ -143,16 +144,22 @@ def state_stats(
       var_perfect_states mean_c sum w^2 c2 q2 / mean_c(D_c)^2 for b = the true value (its states independent:
                          E[X^2] = c2 q^2, c2 = 2 / (K (K - 1)), q2 unbiased for q^2 = (V(1 - V))^2 from K >= 4
                          returns; below, the bound q^2 <= q / 4)
-      resolved           d = 1 - sum w s^2 / sum w q over the states inside, q the prompt's p(1 - p) (unbiased from
-                         its G rewards): the share of the outcome's variance already resolved where the run measures
-                         inside (E[V(1 - V)] = p(1 - p) - Var(V) for any value process)
+      resolved           d = 1 - sum w s^2 / sum w q over the states inside: the share of the outcome's variance
+                         already resolved where the run measures inside (E[V(1 - V)] = p(1 - p) - Var(V) for any
+                         value process). q, the prompt's p(1 - p), is estimated without the measured completion,
+                         from the other G - 1 rewards and the K returns of its prompt state (all Bernoulli(p)):
+                         a completion's length, hence its states' weights w, can follow its own outcome (a wrong
+                         answer running to the token limit), so q from a group holding that outcome is correlated
+                         with w and biases d (downward where right answers are short); pooling the K returns also
+                         halves d's noise at small G. A ratio of unbiased sums: consistent, bias O(1 / completions)
+      se_resolved        its standard error, by the delta method with the completions as units (their states share
+                         one q): at a few prompts d reads below 0 by noise alone (docs/measurement.md)
     No process model: the completions' own states and returns carry it. nan where no state has signal.
     """
     n, G = scores.shape
     K = returns.shape[1]
     j = scores.double().sum(-1)  # [n]
     b = (j - scores[:, 0].double()) / (G - 1)  # [n] the measured completion's leave-one-out mean
-    q_prompt = j * (G - j) / (G * (G - 1))  # [n] unbiased for p (1 - p)
     w = w.double()
     kk = returns.double().sum(-1)  # [S] successes of K
     p_hat, s2 = kk / K, returns.double().var(-1)  # [S], [S] unbiased
@@ -165,11 +172,11 @@ def state_stats(
         q2 = s2 / 4
     nan = math.nan
     mean_d = Dc.mean().item()
-    inside = t > 0
-    q_in = (w * q_prompt[comp])[inside].sum().item()
+    resolved, se_resolved = resolved_share(scores, comp, t, w, returns)
     if mean_d <= 0:
         return {"nmse_grpo_states": nan, "var_grpo_states": nan, "var_perfect_states": nan, "resolved": nan,
-                "measured_completions": n, "measured_states": len(t), "q2_unbiased": K >= 4}  # fmt: skip
+                "se_resolved": nan, "measured_completions": n, "measured_states": len(t),
+                "q2_unbiased": K >= 4}  # fmt: skip
     r = (Xc.sum() / Dc.sum()).item()
     Z = Xc - r * Dc
     var_perfect = torch.zeros(n, dtype=torch.float64).index_add_(0, comp, w * w * 2 / (K * (K - 1)) * q2).mean()
@@ -177,18 +184,43 @@ def state_stats(
         "nmse_grpo_states": r,
         "var_grpo_states": (Z * Z).sum().item() / max(1, n - 1) / mean_d**2,
         "var_perfect_states": var_perfect.item() / mean_d**2,
-        "resolved": 1 - (w * s2)[inside].sum().item() / q_in if q_in > 0 else nan,
+        "resolved": resolved,
+        "se_resolved": se_resolved,
         "measured_completions": n,
         "measured_states": len(t),
         "q2_unbiased": K >= 4,
     }
 
 
+def resolved_share(
+    scores: torch.Tensor, comp: torch.Tensor, t: torch.Tensor, w: torch.Tensor, returns: torch.Tensor
+) -> tuple[float, float]:
+    """d, the share of the outcome's variance resolved at the states inside, and its standard error (state_stats
+    says how and why). scores [n, G], column 0 the measured completion; comp, t, w [S]; returns [S, K].
+    (nan, nan) where no state inside has a prompt with signal."""
+    n, G = scores.shape
+    K = returns.shape[1]
+    at_prompt, inside, w = t == 0, t > 0, w.double()
+    kk = returns.double().sum(-1)[at_prompt]  # [prompt states] successes of K
+    # [n] the prompt's successes and draws without the measured completion: the other G - 1, its prompt state's K
+    hits = scores.double()[:, 1:].sum(-1) + torch.zeros(n, dtype=torch.float64).index_add_(0, comp[at_prompt], kk)
+    draws = G - 1 + torch.zeros(n, dtype=torch.float64).index_add_(0, comp[at_prompt], torch.full_like(kk, K))
+    q = hits * (draws - hits) / (draws * (draws - 1)).clamp(min=1)  # [n] unbiased for p (1 - p); 0 with 1 draw
+    a = torch.zeros(n, dtype=torch.float64).index_add_(0, comp[inside], (w * returns.double().var(-1))[inside])
+    b = torch.zeros(n, dtype=torch.float64).index_add_(0, comp[inside], (w * q[comp])[inside])  # [n] each
+    if b.sum() <= 0:
+        return math.nan, math.nan
+    ratio = (a.sum() / b.sum()).item()
+    z = a - ratio * b  # [n] each completion's share of the ratio's error (delta method)
+    return 1 - ratio, math.sqrt((z * z).sum().item() / max(1, n - 1) / n) / b.mean().item()
+
+
 def predicted_errors(stats: dict, states: dict, prompt_states: float, k: int, group_size: int) -> dict[str, float]:
     """The standard error of each nmse the report compares, for one run of `prompt_states` measured completions:
     GRPO's leave-one-out mean and a perfect critic, at the prompt states (predicted_se: exact over the binomial
     laws, from E[q] and E[q^2] of the G rewards) and over every token-weighted state (state_stats: the run's
-    measurement made on the preflight's sample), with GRPO's values there and the resolved share d."""
+    measurement made on the preflight's sample), with GRPO's values there and the resolved share d, +- its
+    standard error."""
     q, q2 = stats["signal"], stats["signal_sq"]
     m = float(prompt_states)
 
@@ -199,6 +231,7 @@ def predicted_errors(stats: dict, states: dict, prompt_states: float, k: int, gr
         "nmse_grpo_prompt": 1 / (group_size - 1),  # its leave-one-out mean at the prompt state, whatever p
         "nmse_grpo_states": states["nmse_grpo_states"],
         "resolved": states["resolved"],
+        "se_resolved": states.get("se_resolved", math.nan),
         "se_grpo_prompt": predicted_se(q, q2, m, k, group_size - 1),
         "se_perfect_prompt": predicted_se(q, q2, m, k, None),
         "se_grpo_states": root(states["var_grpo_states"]),
@@ -249,7 +282,7 @@ def verdict(stats: dict, smallest_effect: float) -> tuple[bool, str]:
         f"preflight: {stats['settings']['model']} on {stats['settings']['task']}: pass rate {stats['pass_rate']:.3f}, "
         f"outcome variance E[p(1-p)] {stats['signal']:.4f}, informative share {stats['informative']:.2f} "
         f"({stats['informative_prompts']} of {stats['prompts']} prompts x {stats['samples_per_prompt']}), "
-        f"resolved inside d {num('resolved')}; one run's nmse, value +- SE ({se['prompt_states']} prompt states; "
+        f"resolved inside d {num('resolved')} +- {num('se_resolved')}; one run's nmse, value +- SE ({se['prompt_states']} prompt states; "
         f"{se['effective_states']:,.0f} effective of {se['states']:,} token-weighted states; K {se['mc_samples']}): "
         f"GRPO {num('nmse_grpo_prompt')} +- {num('se_grpo_prompt')} at the prompt, {num('nmse_grpo_states')} +- "
         f"{num('se_grpo_states')} over states; a perfect critic 0 +- {num('se_perfect_prompt')} at the prompt, 0 +- "
@@ -415,7 +448,7 @@ def preflight(a: Args, command: Sequence[str]) -> tuple[bool, dict]:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    a = runtime.parse_args(Args, argv[:cut])
+    a = cmdline.parse_args(Args, argv[:cut])
     passed, stats = preflight(a, argv[cut + 1 :])
     print(stats["verdict"], flush=True)
     if not passed:

@@ -32,7 +32,7 @@ import measure
 import preflight
 from estimate import estimate_markdown, model_estimate_markdown
 from plots import plot_crossover, plot_curves, plot_errors, plot_run
-from plumbing import errors, runtime
+from plumbing import cmdline, errors, runtime
 from read_runs import (
     ERROR_COLUMNS,
     FLOPS_PARTS,
@@ -405,13 +405,14 @@ def preflight_lines(out: Path) -> list[str]:
             return ("<= " if key in bounds else "") + fmt_num(pr.get(key)) if finite(pr.get(key)) else "n/a"
 
         rule = f"the smallest effect {effect:g}" if effect else "no smallest effect asked (--smallest-effect 0)"
+        resolved_se = f" +- {num('se_resolved')}" if "se_resolved" in pr else ""  # older files: d alone
         text = (
             f"**Preflight** ({path.name}, {p.get('written', '?')}): {st['model']} on {st['task']} at temperature "
             f"{st['temperature']:g}, {st['max_new_tokens']} new tokens, {p['prompts']} train prompts x "
             f"{p['samples_per_prompt']}: pass rate {p['pass_rate']:.3f}, outcome variance E[p(1-p)] "
             f"{p['signal']:.4f}, informative share {p['informative']:.2f} ({p['informative_prompts']} prompts with "
-            f"0 < p < 1), resolved share inside d {num('resolved')}. Predicted for one run's nmse, value +- standard "
-            f"error: GRPO's leave-one-out mean {num('nmse_grpo_prompt')} +- {num('se_grpo_prompt')} at "
+            f"0 < p < 1), resolved share inside d {num('resolved')}{resolved_se}. Predicted for one run's nmse, value "
+            f"+- standard error: GRPO's leave-one-out mean {num('nmse_grpo_prompt')} +- {num('se_grpo_prompt')} at "
             f"{pr['prompt_states']} prompt states and {num('nmse_grpo_states')} +- {num('se_grpo_states')} over "
             f"{pr['effective_states']:,.0f} effective of {pr['states']:,} token-weighted states; a perfect critic "
             f"0 +- {num('se_perfect_prompt')} and 0 +- {num('se_perfect_states')} (K = {pr['mc_samples']}). GRPO's "
@@ -637,7 +638,7 @@ def pyplot() -> Any:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = runtime.parse_args(Args, argv)
+    a = cmdline.parse_args(Args, argv)
     if a.estimate_model:
         print(model_estimate_markdown(a.estimate_model, a.steps, a.seeds, a.eval_every))
         return

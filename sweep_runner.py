@@ -1,12 +1,14 @@
-"""The sweep's scheduler: runs the plan that sweep.sh holds, then the report. Run ./sweep.sh, not this file.
+"""The study's sweep: every run of the plan in sweep.sh, one per plan line and seed, then the report.
 
-Holds: the options, the plan's reading (one run per plan line and seed), each run's state (finished, resume or new;
-a damaged results.json or a run that never saved is set aside, never deleted), the matched budget read from a
-reference run, the launchers (one after another, a pool over GPUs or CPU jobs, torchrun, SLURM arrays), the logs
-and status files, the lock on the sweep's folder, the summary, and the call of report.py.
+Run ./sweep.sh (it passes the plan on stdin), not this file.
+Holds: the options (Args, parsed by tyro) and --help's text, the plan's reading (one run per plan line and seed), each
+run's state (finished, resume or new; a damaged results.json or a run that never saved is set aside, never deleted),
+the matched budget read from a reference run, the launchers (one after another, a pool over GPUs or CPU jobs,
+torchrun, SLURM arrays), the logs and status files, the lock on the sweep's folder, the summary, and the call of
+report.py.
 Does not hold: the experiments or their commands (sweep.sh), any training (the trainers, started as processes),
-the report (report.py). It imports plumbing/rundir.py (no torch) to read results.json, find checkpoints, refuse links
-as the trainers do.
+the report (report.py). It imports plumbing/rundir.py and plumbing/cmdline.py (no torch) to read results.json, find
+checkpoints and refuse links as the trainers do, and to parse its flags as every script does.
 """
 
 from __future__ import annotations
@@ -21,54 +23,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from plumbing import rundir
+import tyro
+
+from plumbing import cmdline, rundir
 from plumbing.errors import UserError
 
 REPO = Path(__file__).resolve().parent
 PYTHON = os.environ.get("PYTHON") or sys.executable
-LAUNCHERS = ("seq", "gpus", "torchrun", "slurm")
-SCALES = ("auto", "study", "cpu")
-
-USAGE = """usage: ./sweep.sh [options] [-- flags for every trainer]
-
-Runs the plan in sweep.sh into OUT/<experiment>/<name>-s<seed>, then writes the report to OUT/report/
-(report.md, summary.csv, runs.csv, crossover.png, curves.png, errors.png).
-
-options:
-  --experiments LIST  comma-separated, from {experiments} (default: {default})
-  --seeds LIST        comma-separated seeds (default: 1,2,3)
-  --model NAME        the trainers' --model (default: their scale's: qwen2.5-0.5b at study, as on a GPU;
-                      smollm2, the packaged model, at cpu)
-  --scale S           the trainers' --scale: auto, study or cpu (default: auto)
-  --out DIR           runs and report (default: runs/sweep; runs/smoke with --smoke)
-  --launcher L        seq: one run after another (the default)
-                      gpus: one run per GPU at a time, on this machine
-                      torchrun: one run after another, each data-parallel over the GPUs (torchrun --standalone)
-                      slurm: one array task per run (sbatch); with --gpus N > 1 each task runs torchrun over N
-  --gpus N            GPUs to use (default: all visible); alone, it means --launcher gpus
-  --jobs N            with --launcher seq: N runs at once on this machine's CPU (default 1; with --smoke, 2
-                      when the machine has 2 cores or more, each run on one thread)
-  --sbatch "ARGS"     extra sbatch options for --launcher slurm, e.g. "--partition=gpu --time=24:00:00"
-  --dry-run           print what would run, run nothing
-  --smoke             every experiment with --model tiny, seed 1, 2 steps, tiny evaluations, on the CPU
-  --report-only       write the report from the runs already in OUT
-  --preflight         only sample the reference GRPO line's settings and say whether the model has the signal
-                      the study needs: OUT/preflight.json and one line; exit 0 when it has, 3 when it has not
-  --preflight-prompts N  train prompts the preflight samples, group-size times each (default: 256 on a GPU,
-                      8 on the CPU)
-  --force             start the sweep without the preflight's check (an OUT/preflight.json already there still
-                      opens the report)
-  -h, --help          this text
-
-A sweep runs the preflight first (preflight.py; reused from OUT/preflight.json when its command is the same) and
-stops with exit status 3, before any run folder exists, when the share of prompts with 0 < p < 1 is below its
-threshold (0.2), unless --force. The flags after -- come last in every command, so they win. A finished run
-(results.json) is skipped, an interrupted one resumes from its checkpoint, a damaged results.json is named, kept aside
-(results.json.damaged-TIME) and the run redone from its checkpoint. A failed run is recorded
-(OUT/logs/<experiment>/<run>.log and .status), the others go on, and the summary names it (exit status 1).
-A lock (OUT/.lock, held for the sweep's life) keeps a second sweep, or a trainer, off the same folder."""
-
 
 # ======================================================================================================
 # Options and the plan
@@ -76,7 +39,49 @@ A lock (OUT/.lock, held for the sweep's life) keeps a second sweep, or a trainer
 
 
 @dataclass
+class Args:
+    experiments: str = ""
+    """comma-separated experiments of the plan (above)"""
+    seeds: str = "1,2,3"
+    """comma-separated seeds (--smoke: 1 unless given)"""
+    model: str | None = None
+    """the trainers' --model; None: their scale's, qwen2.5-0.5b at study (as on a GPU), the packaged smollm2 at cpu"""
+    scale: Literal["auto", "study", "cpu"] = "auto"
+    """the trainers' --scale (--smoke: study, whose sizes its flags set)"""
+    out: Path = Path("runs/sweep")
+    """folder of the runs, their logs and the report (--smoke: runs/smoke unless given)"""
+    launcher: Literal["seq", "gpus", "torchrun", "slurm"] = "seq"
+    """seq: one run after another; gpus: one run per GPU at a time, on this machine; torchrun: one run after another, each data-parallel over the GPUs; slurm: one array task per run (sbatch), each a torchrun over --gpus when more than 1"""
+    gpus: int | None = None
+    """GPUs to use; None: all visible. Without --launcher it means --launcher gpus"""
+    jobs: int = 1
+    """with --launcher seq: runs at once on this machine's CPU (--smoke: one a core, 2 at most, each on one thread)"""
+    sbatch: str = ""
+    """extra sbatch options for --launcher slurm, e.g. "--partition=gpu --time=24:00:00" """
+    dry_run: bool = False
+    """print what would run, run nothing"""
+    smoke: bool = False
+    """every experiment with --model tiny, seed 1, 2 steps and tiny evaluations, on the CPU, in minutes"""
+    report_only: bool = False
+    """write the report from the runs already in --out"""
+    preflight: bool = False
+    """only the preflight, on this machine: OUT/preflight.json and one line; exit 0 with enough signal, 3 without"""
+    preflight_prompts: int | None = None
+    """train prompts the preflight samples, group-size times each; None: 256 on a GPU, 8 on the CPU"""
+    force: bool = False
+    """start the sweep without the preflight's check (an OUT/preflight.json already there still opens the report)"""
+    default_experiments: str = ""
+    """sweep.sh's: the experiments that run when --experiments is not given"""
+    budget_from: str = ""
+    """sweep.sh's: the experiment/name whose run's generated tokens and steps fill {tokens} and {steps}"""
+    slurm_task: int | None = None
+    """a SLURM array task's (OUT/slurm/task.sh): the index of the one run it runs"""
+
+
+@dataclass
 class Options:
+    """The sweep's settings: Args resolved (--smoke's and --gpus's implications applied) and checked."""
+
     experiments: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
     model: str = ""  # "": the trainers' scale picks it (study: qwen2.5-0.5b; cpu: smollm2)
@@ -116,9 +121,6 @@ class Run:
 
 
 PLACEHOLDER = re.compile(r"\{(?:(\d+)\*)?(tokens|steps)\}")
-VALUED = ("--experiments", "--seeds", "--model", "--scale", "--out", "--launcher", "--gpus", "--jobs", "--sbatch",
-          "--preflight-prompts")  # fmt: skip
-INTERNAL = ("--slurm-task", "--budget-from", "--default-experiments")
 
 
 def read_plan(text: str) -> tuple[list[tuple[str, str, str, list[str]]], dict[str, list[str]]]:
@@ -137,58 +139,111 @@ def read_plan(text: str) -> tuple[list[tuple[str, str, str, list[str]]], dict[st
     return lines, smoke
 
 
-def positive(flag: str, value: str) -> int:
-    if not re.fullmatch(r"[1-9][0-9]*", value):
+def describe(text: str, experiments: list[str]) -> dict[str, str]:
+    """Each experiment's line in --help, from the plan's own comments: a comment `# NAME: what it is...` (or
+    `# NAME (a note): ...`) and the comment lines under it, up to the first full stop."""
+    rows = text.splitlines()
+    out = {}
+    for i, row in enumerate(rows):
+        m = re.fullmatch(r"#\s*([\w-]+)(?:\s*\([^)]*\))?:\s*(.*)", row.strip())
+        if not m or m.group(1) not in experiments or m.group(1) in out:
+            continue
+        words = [m.group(2)]
+        for more in rows[i + 1 :]:
+            if not more.startswith("#"):
+                break
+            words.append(more.lstrip("# "))
+        out[m.group(1)] = re.split(r"\.(?:\s|$)", " ".join(words))[0]
+    return out
+
+
+def help_text(plan: str, lines: list[tuple[str, str, str, list[str]]], default: list[str]) -> str:
+    """--help's description: what the sweep does and in what order, the experiments, examples."""
+    experiments = list(dict.fromkeys(e for e, *_ in lines))
+    about = describe(plan, experiments)
+    width = max(len(e) for e in experiments) + 2
+    rows = []
+    for e in experiments:
+        n = sum(1 for ln in lines if ln[0] == e)
+        first = f"  {e:<{width}}{'*' if e in default else ' '} "
+        rows.append(cmdline.fill(f"{n} runs a seed{': ' + about[e] if e in about else ''}", first, " " * len(first)))
+    paragraphs = [
+        "The runs go to OUT/<experiment>/<name>-s<seed>, the report to OUT/report/ (report.md, summary.csv, runs.csv "
+        "and three plots). Each trainer's command is its plan line's, with the sweep's --run-dir, --seed, --model, "
+        "--scale and --no-progress; the flags after -- (./sweep.sh [OPTIONS] -- FLAGS) come last in every command, "
+        "so they win.",
+        "The preflight first (preflight.py, on this machine; reused from OUT/preflight.json when its command is the "
+        "same): it samples the reference GRPO line (--budget-from) with the sweep's settings and predicts the "
+        "half-width of the report's 3-seed interval of GRPO's nmse at the prompt. When that is wider than the "
+        f"smallest effect worth detecting ({SMALLEST_EFFECT:g}, preflight.py's --smallest-effect; --smoke asks for "
+        "none, only some signal), or cannot be predicted (no prompt with 0 < p < 1), the sweep stops with exit status "
+        "3 before any run folder exists, unless --force.",
+        "A finished run (results.json) is skipped, an interrupted one resumes from its checkpoint, a damaged "
+        "results.json is kept aside (results.json.damaged-TIME) and the run redone. A failed run is logged "
+        "(OUT/logs/<experiment>/<run>.log), the others go on, and the summary names it (exit status 1). A lock "
+        "(OUT/.lock) keeps a second sweep, or a trainer, off the folder. More in docs/sweep.md.",
+    ]
+    examples = [
+        ("./sweep.sh --dry-run", "every command, run nothing"),
+        ("./sweep.sh --smoke", "all of it on the CPU, a tiny random model, in minutes"),
+        ("./sweep.sh --preflight", "only the preflight: has the model the signal the study needs?"),
+        ("./sweep.sh --experiments h2h --seeds 1,2", "a subset"),
+        ("./sweep.sh --gpus 8", "one run per GPU at a time, on this machine"),
+        ('./sweep.sh --launcher slurm --sbatch "-p gpu"', "one SLURM array task per run"),
+        ("./sweep.sh -- --eval-size 256", "a flag for every trainer"),
+        ("./sweep.sh --report-only", "the report again, from the runs already there"),
+    ]
+    wide = max(len(c) for c, _ in examples) + 4
+    examples_text = "\n".join(cmdline.fill(what, f"  {c:<{wide - 2}}", " " * wide) for c, what in examples)
+    return "\n\n".join(
+        [
+            cmdline.fill(__doc__.strip().splitlines()[0]),
+            *map(cmdline.fill, paragraphs),
+            "experiments (* runs unless --experiments says otherwise):\n" + "\n".join(rows),
+            "examples:\n" + examples_text,
+        ]
+    )
+
+
+def positive(flag: str, value: int | None) -> int:
+    if value is None or value < 1:
         raise UserError(f"{flag} {value} is not a positive number")
-    return int(value)
+    return value
 
 
-def parse_args(argv: list[str], experiments: list[str]) -> Options:
-    """The options (sweep.sh's, then the user's); every check before anything is written."""
-    o, v = Options(), {}
-    default_exp = ""
-    args = list(argv)
-    while args:
-        a = args.pop(0)
-        if a == "--":
-            o.extra = args
-            break
-        if a.startswith("--") and "=" in a:
-            a, value = a.split("=", 1)
-            args.insert(0, value)
-        if a in ("-h", "--help"):
-            print(USAGE.format(experiments=", ".join(experiments), default=default_exp.replace(",", ", ")))
-            sys.exit(0)
-        elif a == "--dry-run":
-            o.dry_run = True
-        elif a == "--smoke":
-            o.smoke = True
-        elif a == "--report-only":
-            o.report_only = True
-        elif a == "--preflight":
-            o.preflight = True
-        elif a == "--force":
-            o.force = True
-        elif a in VALUED or a in INTERNAL:
-            if not args:
-                raise UserError(f"{a} needs a value (./sweep.sh --help)")
-            value = args.pop(0)
-            if a == "--default-experiments":
-                default_exp = value
-            else:
-                v[a] = value
-        else:
-            raise UserError(f"unknown option {a} (./sweep.sh --help)")
+def parse_args(argv: list[str], experiments: list[str], plan: str = "") -> Options:
+    """The options (sweep.sh's, then the user's) through tyro, then resolved and checked, before anything is
+    written. The words after the first `--` go to every trainer. plan: sweep.sh's text, for --help's experiments."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    flags, extra = list(argv[:cut]), list(argv[cut + 1 :])
+    i = 0
+    while i < len(flags) - 1:  # --sbatch "--partition=gpu": a value that starts with a dash, as one word
+        if flags[i] == "--sbatch":
+            flags[i : i + 2] = [f"--sbatch={flags[i + 1]}"]
+        i += 1
+    default_exp = cmdline.flag_value(flags, "default_experiments", "")
+    lines = read_plan(plan)[0] if plan else [(e, "", "", []) for e in experiments]
+    description = help_text(plan, lines, default_exp.split(","))
+    a = cmdline.parse(
+        Args,
+        Args(experiments=default_exp),
+        flags,
+        prog="./sweep.sh",
+        description=description,
+        config=(tyro.conf.FlagCreatePairsOff,),
+    )
+    given = cmdline.given_fields(Args, flags)
 
-    o.experiments = []
-    for e in v.get("--experiments", default_exp).split(","):
+    o = Options(extra=extra, dry_run=a.dry_run, smoke=a.smoke, report_only=a.report_only, preflight=a.preflight)
+    o.force, o.sbatch, o.budget_from, o.slurm_task = a.force, a.sbatch, a.budget_from, a.slurm_task
+    for e in a.experiments.split(","):
         if e and e not in experiments:
             raise UserError(f"unknown experiment '{e}': choose from {', '.join(experiments)}")
         if e and e not in o.experiments:
             o.experiments.append(e)
     if not o.experiments:
         raise UserError(f"--experiments is empty: choose from {', '.join(experiments)}")
-    seeds = v.get("--seeds", "1" if o.smoke else "1,2,3")
+    seeds = a.seeds if "seeds" in given or not o.smoke else "1"
     for s in seeds.split(","):
         if s and not re.fullmatch(r"[0-9]+", s):
             raise UserError(f"--seeds {seeds}: '{s}' is not a seed (a whole number); e.g. --seeds 1,2,3")
@@ -196,29 +251,21 @@ def parse_args(argv: list[str], experiments: list[str]) -> Options:
             o.seeds.append(int(s))
     if not o.seeds:
         raise UserError("--seeds is empty: give one or more seeds, e.g. --seeds 1,2,3")
-    o.model = "tiny" if o.smoke else v.get("--model", o.model)
-    o.scale = "study" if o.smoke else v.get("--scale", o.scale)  # --smoke's flags are the scale: never rescaled
-    if o.scale not in SCALES:
-        raise UserError(f"unknown --scale '{o.scale}': use auto, study or cpu")
-    o.out = Path(v.get("--out", "runs/smoke" if o.smoke else "runs/sweep")).absolute()
-    o.gpus = positive("--gpus", v["--gpus"]) if "--gpus" in v else 0
-    if "--jobs" in v:
-        o.jobs = positive("--jobs", v["--jobs"])
+    o.model = "tiny" if o.smoke else (a.model or "")
+    o.scale = "study" if o.smoke else a.scale  # --smoke's flags are the scale: never rescaled
+    o.out = (a.out if "out" in given or not o.smoke else Path("runs/smoke")).absolute()
+    o.gpus = positive("--gpus", a.gpus) if a.gpus is not None else 0
+    if "jobs" in given:
+        o.jobs = positive("--jobs", a.jobs)
     elif o.smoke:  # one run per core, two at most: the runs are small
         o.jobs = min(2, len(os.sched_getaffinity(0)))
-    o.launcher = v.get("--launcher", "gpus" if o.gpus else "seq")
-    if o.launcher not in LAUNCHERS:
-        raise UserError(f"unknown --launcher '{o.launcher}': use seq, gpus, torchrun or slurm")
-    if o.launcher != "seq" and "--jobs" in v:
+    o.launcher = a.launcher if "launcher" in given or not o.gpus else "gpus"
+    if o.launcher != "seq" and "jobs" in given:
         raise UserError("--jobs runs several runs at once on the CPU: it goes with --launcher seq")
-    o.sbatch = v.get("--sbatch", "")
-    if "--preflight-prompts" in v:
-        o.preflight_prompts = positive("--preflight-prompts", v["--preflight-prompts"])
-    o.budget_from = v.get("--budget-from", "")
-    if "--slurm-task" in v:
-        if not re.fullmatch(r"[0-9]+", v["--slurm-task"]):
-            raise UserError(f"--slurm-task {v['--slurm-task']} is not a run of this plan")
-        o.slurm_task = int(v["--slurm-task"])
+    if a.preflight_prompts is not None:
+        o.preflight_prompts = positive("--preflight-prompts", a.preflight_prompts)
+    if o.slurm_task is not None and o.slurm_task < 0:
+        raise UserError(f"--slurm-task {o.slurm_task} is not a run of this plan")
     return o
 
 
@@ -389,7 +436,7 @@ def run_preflight(o: Options, cmd: list[str], reuse: bool) -> int:
 
 
 def refusal(o: Options) -> str:
-    """The line that stops a sweep the preflight refused: its numbers, the threshold, the ways on."""
+    """The line that stops a sweep the preflight refused: its numbers, the smallest effect, the ways on."""
     try:
         p = json.loads((o.out / "preflight.json").read_text())
         half = p["predicted"].get("half_width_3_seeds")
@@ -636,10 +683,11 @@ def report(o: Options) -> int:
 
 
 def main(argv: list[str]) -> int:
-    lines, smoke = read_plan("" if sys.stdin.isatty() else sys.stdin.read())
+    plan = "" if sys.stdin.isatty() else sys.stdin.read()
+    lines, smoke = read_plan(plan)
     if not lines:
         raise UserError("sweep_runner.py reads its plan from sweep.sh on stdin: run ./sweep.sh")
-    o = parse_args(argv, list(dict.fromkeys(e for e, *_ in lines)))
+    o = parse_args(argv, list(dict.fromkeys(e for e, *_ in lines)), plan)
     if o.report_only:
         return report(o)
     runs = make_runs(o, lines)

@@ -66,7 +66,7 @@ SECTIONS = ("sdpa", "check", "generate", "hf_static", "eval", "grpo", "ppo", "to
 VARIANTS = ("engine", "engine_flex", "engine_no_compile", "hf_dynamic")  # the generate section's, in this order
 ENGINE_OPTS = {"engine": {}, "engine_flex": {"attention": "flex"}, "engine_no_compile": {"compile": False}}
 
-# What the TRL ratio does not hold equal, printed beside it (issue 21's review of both sides)
+# What the TRL ratio does not hold equal, printed beside it (from a review of both sides' settings)
 TRL_CAVEATS = (
     "TRL generates with transformers' generate() (no vLLM, no static cache); grpo.py with its static engine",
     "optimizer steps per generation: grpo.py --num-minibatches (4 here), TRL 1 unless steps_per_generation",
@@ -75,15 +75,15 @@ TRL_CAVEATS = (
 )
 DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "hf_static")
 
-# generate() with a static cache and torch.compile at batch 512 x 256 on one H200, as issue 13 reports it (the
-# measurement's date is not recorded in this repository): the ratio's denominator when hf_static does not run
-HF_STATIC_ANCHOR = {"tokens_per_s": 34_700.0, "source": "issue 13's anchor (hf_static not run)"}
+# generate() with a static cache and torch.compile at batch 512 x 256 on one H200: a figure reported to the project,
+# never measured in this repository (its date not recorded); the ratio's denominator when hf_static does not run
+HF_STATIC_ANCHOR = {"tokens_per_s": 34_700.0, "source": "reported figure, not measured here"}
 
 # H200 SXM datasheet figures (assumptions of the arithmetic, not measurements): HBM bandwidth, dense bf16 peak,
 # and the gap between two kernels of a replayed CUDA graph
 H200 = {"hbm_bytes_per_s": 4.8e12, "bf16_flops": 989e12, "kernel_gap_s": 1.5e-6}
 
-# (ratio or measurement, comparison, target): the issue's targets, from one H200 run
+# (ratio or measurement, comparison, target): the targets the project set for the engine and the trainers, from one H200 run
 TARGETS = {
     "engine_over_hf_static_compiled": (">=", 4.0),
     "trl_step_over_grpo_step": (">=", 6.0),

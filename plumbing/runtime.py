@@ -2,12 +2,12 @@
 
 Holds: RunState (everything this process remembers for the run it runs: notices said, the stop signal, the run
 folder's lock, the rollout record), begun afresh by run_main; run_main (every error one line and its exit code,
-the lock released on every exit); cli (tyro with a preset as its default) and the range checks every trainer's
-validate() calls; seeding; StopSignal, stoppable, check_stop and stop_point (a signal stops a run within seconds);
-FiniteGuard (nothing non-finite is trained on); notice_once.
+the lock released on every exit); cli (tyro with a preset as its default, parsed by cmdline.py) and the range checks
+every trainer's validate() calls; seeding; StopSignal, stoppable, check_stop and stop_point (a signal stops a run
+within seconds); FiniteGuard (nothing non-finite is trained on); notice_once.
 Does not hold: processes and devices (distributed.py), the run folder's rules and lock (rundir.py), logs and
-results (logs.py), checkpoints (checkpoint.py). Imports errors, rundir, models (a model's own settings) and
-distributed.
+results (logs.py), checkpoints (checkpoint.py), tyro's parsing and its one-line refusals (cmdline.py). Imports
+errors, rundir, cmdline, models (a model's own settings) and distributed.
 """
 
 from __future__ import annotations
@@ -15,15 +15,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import io
 import math
 import os
 import random
-import re
-import shutil
 import signal
 import sys
-import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from plumbing import rundir
+from plumbing import cmdline, rundir
 from plumbing.distributed import all_ok, all_reduce_sum, world_size
 from plumbing.errors import (
     EXIT_INTERRUPTED,
@@ -167,16 +163,16 @@ def cli(cls: type[T], cpu: dict[str, dict[str, Any]], args: Sequence[str] | None
     flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line)."""
     flags = list(sys.argv[1:] if args is None else args)
     study = cls()
-    scale = flag_value(flags, "scale", study.scale)
-    device = flag_value(flags, "device", study.device)
+    scale = cmdline.flag_value(flags, "scale", study.scale)
+    device = cmdline.flag_value(flags, "device", study.device)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if not (scale == "cpu" or (scale == "auto" and not device.startswith("cuda"))):
-        study = dataclasses.replace(study, **model_settings(cls, flag_value(flags, "model", study.model)))
-        return _tyro_cli(cls, study, flags), []  # a bad --scale or --device is tyro's to refuse
-    preset = cpu_preset(cls, cpu, flag_value(flags, "model", None))
-    out = _tyro_cli(cls, preset, flags)
-    given = given_fields(cls, flags)
+        study = dataclasses.replace(study, **model_settings(cls, cmdline.flag_value(flags, "model", study.model)))
+        return cmdline.parse(cls, study, flags), []  # a bad --scale or --device is tyro's to refuse
+    preset = cpu_preset(cls, cpu, cmdline.flag_value(flags, "model", None))
+    out = cmdline.parse(cls, preset, flags)
+    given = cmdline.given_fields(cls, flags)
     changed = [
         f"{f.name} {getattr(study, f.name)} -> {getattr(preset, f.name)}"
         for f in dataclasses.fields(cls)
@@ -201,92 +197,6 @@ def model_settings(cls: type, model: str) -> dict[str, Any]:
     fields cls has."""
     names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in MODEL_SETTINGS.get(model, {}).items() if k in names}
-
-
-def flag_value(flags: Sequence[str], name: str, default: Any) -> Any:
-    """The value of one flag as tyro (argparse) will read it, before it parses: `--name value` or `--name=value`,
-    in dashes or underscores, the last one given; `default` when it is absent. The value is not checked here."""
-    spellings = {"--" + name, "--" + name.replace("_", "-")}
-    value = default
-    for i, flag in enumerate(flags):
-        key, eq, after = flag.partition("=")
-        if key in spellings:
-            value = after if eq else (flags[i + 1] if i + 1 < len(flags) else value)
-    return value
-
-
-def given_fields(cls: type, flags: Sequence[str]) -> set[str]:
-    """The fields of cls that the flags set, in any spelling tyro takes (`--batch-size 8`, `--batch_size=8`,
-    `--no-progress`). A value never starts with `--` (argparse refuses one), so every such token is a flag."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    given = set()
-    for flag in flags:
-        if not flag.startswith("--"):
-            continue
-        key = flag[2:].partition("=")[0].replace("-", "_")
-        if key in names:
-            given.add(key)
-        elif key.startswith("no_") and key[3:] in names:  # a boolean's --no-x
-            given.add(key[3:])
-    return given
-
-
-def parse_args(cls: type[T], args: Sequence[str] | None = None) -> T:
-    """A script's Args (a dataclass, its defaults cls()'s) from the command line with tyro, for a script without
-    the trainers' two presets (report.py). A bad flag or value is a UserError of one line, as in cli."""
-    return _tyro_cli(cls, cls(), args)
-
-
-def help_opening(cls: type) -> str:
-    """--help's opening: the first line of the script's docstring (what the script does), then the Args class's own
-    docstring if it has one (how to call it), each wrapped at words to the terminal's width (at most 120)."""
-    module = sys.modules.get(cls.__module__)
-    parts = [((module.__doc__ if module else None) or "").strip().split("\n")[0]]
-    own = cls.__doc__ or ""
-    if not own.startswith(cls.__name__ + "("):  # not the signature dataclass writes where there is no docstring
-        parts.append(" ".join(own.split()))
-    width = max(40, min(shutil.get_terminal_size().columns, 120))
-    # a hanging indent: tyro joins a line of the description that starts with a letter to the line before it
-    wrap = dict(width=width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
-    return "\n\n".join(textwrap.fill(p, **wrap) for p in parts if p)
-
-
-def _tyro_cli(cls: type[T], default: T, args: Sequence[str] | None) -> T:
-    import tyro
-
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            out = tyro.cli(cls, default=default, args=args, description=help_opening(cls))
-    except SystemExit as e:
-        if e.code == 2:  # tyro printed an error box and exits 2: its message, as one line
-            raise UserError(_tyro_message(err.getvalue())) from None
-        sys.stderr.write(err.getvalue())
-        raise
-    sys.stderr.write(err.getvalue())  # tyro's warnings, if any
-    return out
-
-
-def _tyro_message(box: str) -> str:
-    """tyro's error box -> its message on one line. rich draws the box with borders and the title in the top one,
-    or (no terminal features) plain: the title alone above a rule of dashes. The message is the first block of
-    text after the title, up to the next rule; the help hints after it are left out."""
-    box = re.sub(r"\x1b\[[0-9;]*m", "", box)  # colours, if any
-    rows = [line.strip().strip("│").strip() for line in box.splitlines()]
-    is_rule = [bool(r) and set(r) <= set("─-") for r in rows]
-    blocks: list[list[str]] = [[]]
-    for i, (row, rule) in enumerate(zip(rows, is_rule)):
-        if rule or row[:1] in ("╭", "╰"):  # a rule, or a border (the rich title lives there)
-            blocks.append([])
-        elif row:
-            title = not any(blocks) and i + 1 < len(rows) and is_rule[i + 1] and len(blocks) == 1
-            if not title:  # the plain title: a first line right above a rule
-                blocks[-1].append(row)
-    text = next((b for b in blocks if b), [])
-    out = ""
-    for piece in text:  # rich wraps at the box's width; a wrapped "." or ")" joins without a space
-        out += piece if not out or piece[0] in ".,;:)]" else " " + piece
-    return out or "bad command line (run with --help)"
 
 
 def check_divides(what: str, n: int, by: int, by_what: str) -> None:

@@ -213,12 +213,21 @@ def assert_rises(values: list[float], by: float, to: float, what: str = "reward"
     assert last >= first + by and last >= to, f"{what} did not rise: {[round(v, 2) for v in values]}"
 
 
+def default_signals() -> None:
+    """A test's signalled process starts with SIGINT and SIGTERM at their default disposition, as from a terminal,
+    whatever pytest inherited: a parent that ignores SIGINT (a non-interactive shell's background job, nohup-like
+    wrappers) passes SIG_IGN on through exec, Python then never raises KeyboardInterrupt during start-up, and a
+    Ctrl-C test would see the run finish and exit 0. Runs in the child between fork and exec (preexec_fn)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start_trainer(script: str, args: list[str], log, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a trainer in the background (a new interpreter), stdout and stderr into the open file `log` (a pipe
-    could fill up)."""
+    could fill up), with SIGINT and SIGTERM at their defaults (default_signals): a test signals this process."""
     cmd = command(script, args)
     env = dict(trainer_env(), **(env or {}))
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=default_signals)
 
 
 def signal_at(at: str, log: Path, rank: int | None = None, name: str = "SIGTERM") -> dict[str, str]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import check_one_error_line, cli, run_here
 
-from plumbing import distributed, runtime
+from plumbing import cmdline, distributed, runtime
 
 # (script, flag, the choices --help must list)
 CHOICES = [
@@ -181,7 +181,7 @@ BOXES = {
 @pytest.mark.parametrize("form", list(BOXES))
 def test_tyro_error_box_becomes_its_message(form):
     assert (
-        runtime._tyro_message(BOXES[form])
+        cmdline.tyro_message(BOXES[form])
         == "invalid choice 'bogus' for argument '--task'. Expected one of ('gsm8k', 'toy')."
     )
 

@@ -1,4 +1,4 @@
-"""A run knows its data (issue 23 item 4): the fingerprint of train, val and test (counts and SHA-256) in the
+"""A run knows its data: the fingerprint of train, val and test (counts and SHA-256) in the
 checkpoint and results.json with the folder actually read; a resume on changed data refused in one line naming
 the split unless --allow-data-change; report.md naming the runs of one experiment that used different data.
 Synthetic GSM8K folders (150 train, 20 test problems) and the tiny model at one step."""

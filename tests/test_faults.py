@@ -1,4 +1,4 @@
-"""Faults a long run meets (issue 23): links out of the run folder, a failing write during a save, a stop
+"""Faults a long run meets: links out of the run folder, a failing write during a save, a stop
 signal outside the training loop, crafted checkpoint state. Each test plants the fault and checks for one
 `error:` line (or a clean stop), a non-zero exit where it fails, nothing written outside the run folder and
 nothing good lost."""

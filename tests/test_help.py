@@ -1,5 +1,5 @@
-"""What a person reads first: `--help` of the trainers, report.py and the preflight (an opening line that says what
-the script does, each default once, no line broken inside a phrase, no advice to install what requirements.txt
+"""What a person reads first: `--help` of the trainers, report.py, the preflight and sweep.sh (an opening line that says
+what the script does, each default once, no line broken inside a phrase, no advice to install what requirements.txt
 installs), and the banner a trainer prints before it runs (every setting once, grouped as Args groups them, no
 line over 120 characters). In this process, through the scripts' own parsing."""
 
@@ -147,3 +147,46 @@ def test_the_checks_catch_a_phrase_broken_by_a_docstring_and_a_second_default():
     assert list(entries(text)) == ["--model STR", "--run-dir {None}|STR"]
     problems = help_problems(text)
     assert len(problems) == 2 and "after '(the packaged'" in problems[0] and "two defaults" in problems[1], problems
+
+
+def sweep_help(monkeypatch, capsys, columns: int) -> str:
+    """`./sweep.sh --help` in this process (sweep_runner on sweep.sh's plan), on a terminal `columns` wide."""
+    import sweep_runner
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    plan = (ROOT / "sweep.sh").read_text().split("<<'PLAN'\n")[1].split("\nPLAN")[0]
+    lines, _ = sweep_runner.read_plan(plan)
+    experiments = list(dict.fromkeys(e for e, *_ in lines))
+    with pytest.raises(SystemExit) as e:  # sweep.sh's own flags first, as it passes them
+        sweep_runner.parse_args(["--default-experiments", "h2h,critic,labels", "--help"], experiments, plan)
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_the_sweeps_help_says_what_it_does_lists_the_experiments_and_shows_examples(columns, monkeypatch, capsys):
+    """A person reads `./sweep.sh --help`: the opening line, the preflight's rule as preflight.py applies it (the
+    3-seed half-width of GRPO's nmse against the smallest effect, not an informative-share threshold), every
+    experiment of the plan with its runs a seed and what it is, which run by default, examples; every option once,
+    each default once, no line broken mid-phrase and none past the terminal."""
+    import preflight
+    import sweep_runner
+
+    text = sweep_help(monkeypatch, capsys, columns)
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+    assert flat.startswith(f"usage: ./sweep.sh [-h] [OPTIONS] {first_line(sweep_runner.__doc__)}"), flat[:200]
+    assert "3-seed interval of GRPO's nmse at the prompt" in flat and "threshold" not in flat
+    assert f"smallest effect worth detecting ({preflight.SMALLEST_EFFECT:g}, preflight.py's --smallest-effect" in flat
+    for row in ["h2h * 9 runs a seed: the three methods at matched compute", "critic-lambda 4 runs a seed: the critics",
+                "labels * 4 runs a seed: DPO's label regimes", "critic * 5 runs a seed: every capacity"]:  # fmt: skip
+        assert row in flat, row
+    assert "examples: ./sweep.sh --dry-run" in flat and "./sweep.sh -- --eval-size 256 a flag for every trainer" in flat
+    lines = text.splitlines()
+    options_box = "\n".join(lines[next(i for i, line in enumerate(lines) if "-h, --help" in line) :])
+    options = entries(options_box)  # the description above is wrapped by cmdline.fill: the check is for tyro's part
+    for flag in ["--experiments", "--seeds", "--model", "--scale", "--out", "--launcher", "--gpus", "--jobs", "--sbatch",
+                 "--dry-run", "--smoke", "--report-only", "--preflight", "--preflight-prompts", "--force"]:  # fmt: skip
+        assert any(f.split()[0] == flag for f in options), flag
+    assert "(default:h2h,critic,labels)" in "".join("".join(options["--experiments STR"]).split())  # sweep.sh's
+    assert not help_problems(options_box)
+    assert all(len(line) <= columns for line in lines), max(lines, key=len)

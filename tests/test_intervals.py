@@ -1,4 +1,4 @@
-"""The statistics of the crossover (docs/measurement.md, issue 20): GRPO's error at the prompt state against its
+"""The statistics of the crossover (docs/measurement.md): GRPO's error at the prompt state against its
 error inside a completion on a synthetic value process, and the coverage of the report's intervals under
 run-level (seed) effects. Every simulation has a fixed seed and runs in seconds."""
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # command names (its Args and CPU preset).
 LAYERS = [
     ["plumbing.errors", "intervals", "critics"],
-    ["plumbing.rundir", "plumbing.rollout", "plumbing.models"],
+    ["plumbing.rundir", "plumbing.rollout", "plumbing.models", "plumbing.cmdline"],
     ["plumbing.distributed"],
     ["plumbing.runtime", "plumbing.forward"],
     ["plumbing.logs", "plumbing.checkpoint", "plumbing.static_kernels"],
@@ -34,7 +34,8 @@ LAYERS = [
     ["report"],
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
-NO_TORCH = ["plumbing.errors", "plumbing.rundir", "intervals", "sweep_runner"]  # sweep.sh starts before any trainer
+# sweep.sh starts before any trainer
+NO_TORCH = ["plumbing.errors", "plumbing.rundir", "plumbing.cmdline", "intervals", "sweep_runner"]
 
 
 def modules() -> dict[str, Path]:

@@ -1,4 +1,4 @@
-"""Offline, fast and in one line (issue 31 item 2): with the Hugging Face hub unreachable, a trainer without GSM8K,
+"""Offline, fast and in one line: with the Hugging Face hub unreachable, a trainer without GSM8K,
 a trainer, the preflight and the sweep given a hub model that is not cached each stop in one `error:` line naming
 the way out, within seconds, without the libraries' retries on the terminal and without writing anything; a hub
 model or GSM8K already in the caches still loads, as quickly and as quietly.

@@ -184,6 +184,48 @@ def test_the_preflight_predicts_the_standard_error_of_what_the_report_compares(p
     assert sim["grpo"].std().item() > 2.5 * se["se_grpo_prompt"], "over states GRPO's nmse is far noisier"
 
 
+@pytest.mark.parametrize("G", [2, 4, 8])
+def test_the_resolved_share_is_unbiased_when_a_completions_length_follows_its_outcome(G):
+    """As on GSM8K, a right answer ends early (20 tokens) and a wrong one runs to the limit (400): the token weights
+    of a completion's states follow its own outcome. q estimated from a group that holds that outcome correlated
+    with the weights: at d = 0.3 it read 0.06-0.11 at G = 2 and 0.23-0.27 at G = 8. Estimated from the other G - 1
+    rewards and the prompt state's K returns, q is independent of them, and d reads d within its standard error."""
+    g = torch.Generator().manual_seed(G)
+    n, d, K = 4000, 0.3, 8
+    p = _prompt_values(n, 0.15, g)
+    scores = (torch.rand(n, G, generator=g, dtype=torch.float64) < p[:, None]).double()  # [n, G]; column 0 measured
+    lengths = [20 if right else 400 for right in scores[:, 0].tolist()]
+    picked = [(c, t, w) for c in range(n) for t, w in measure.mc_state_positions(lengths[c], 2, c)]
+    comp, t = torch.tensor([c for c, _, _ in picked]), torch.tensor([t for _, t, _ in picked])
+    w = torch.tensor([w for _, _, w in picked], dtype=torch.float64)
+    resolved = (t > 0) & (torch.rand(len(t), generator=g, dtype=torch.float64) < d)  # _two_point_states' process
+    value = torch.where(resolved, scores[comp, 0], p[comp])  # [S]
+    returns = (torch.rand(len(t), K, generator=g, dtype=torch.float64) < value[:, None]).double()  # [S, K]
+    estimate, se = preflight.resolved_share(scores, comp, t, w, returns)
+    assert se < 0.03 and abs(estimate - d) < 3 * se, (estimate, se)
+
+
+def test_the_resolved_share_reads_below_zero_by_noise_and_its_standard_error_says_how_far():
+    """d is a ratio of unbiased sums. Where nothing is resolved inside (d = 0) it reads below 0 about half the time,
+    its mean is 0 up to the ratio's O(1/n) bias, and its standard error (delta method, completions as units) is the
+    spread of its reading: at 64 prompts x 2 as at 4000. At the smoke preflight's 8 prompts x 2 (K = 4) even a true
+    d of 0.3 reads below 0 about one time in five: its -0.139 +- 0.174 is noise, not a fault."""
+    g = torch.Generator().manual_seed(5)
+    for n, d, reps in ((64, 0.0, 400), (8, 0.3, 1000)):
+        layout = _layout(n, 2, g)
+        samples = (_two_point_states(_prompt_values(n, 0.3, g), d, 2, 4, 2, g, layout) for _ in range(reps))
+        runs = [preflight.resolved_share(s["scores"], s["comp"], s["t"], s["w"], s["returns"]) for s in samples]
+        values = torch.tensor([r for r, _ in runs if math.isfinite(r)], dtype=torch.float64)
+        ses = torch.tensor([se for r, se in runs if math.isfinite(r)], dtype=torch.float64)
+        below = (values < 0).double().mean().item()
+        if d == 0:
+            assert 0.35 < below < 0.65 and abs(values.mean().item()) < 0.05, (below, values.mean().item())
+            assert values.std().item() == pytest.approx(ses.median().item(), rel=0.2)
+            assert ((values - d).abs() <= 2 * ses).double().mean().item() > 0.9
+        else:
+            assert len(values) > 0.95 * reps and 0.1 < below < 0.35, below
+
+
 def test_the_predicted_half_width_is_the_median_of_the_reports_3_seed_interval():
     """half_width_3_seeds: the half-width that intervals.ratio_interval prints for GRPO's nmse at the prompt over 3
     seeds' sums (the report's interval), its median over 2,000 simulated studies of 3 runs x 608 prompt states."""
@@ -441,14 +483,15 @@ def test_the_report_opens_with_the_preflight_and_warns_of_few_informative_states
          "samples_per_prompt": 2, "pass_rate": 0.1875, "signal": 0.1875, "informative": 0.375,
          "informative_prompts": 3, "smallest_effect": 0.05, "passed": True, "written": "2026-12-01 21:00",
          "predicted": {"se_grpo_prompt": 1.054, "se_perfect_prompt": 0.333, "se_grpo_states": 1.266,
-                       "se_perfect_states": 0.21, "nmse_grpo_prompt": 1.0, "nmse_grpo_states": 0.978, "resolved": 0.25,
-                       "half_width_3_seeds": 2.18, "prompt_states": 2, "states": 6, "effective_states": 5.02,
+                       "se_perfect_states": 0.21, "nmse_grpo_prompt": 1.0, "nmse_grpo_states": 0.978,
+                       "resolved": -0.139, "se_resolved": 0.174, "half_width_3_seeds": 2.18, "prompt_states": 2, "states": 6, "effective_states": 5.02,
                        "mc_samples": 4, "bounds": ["se_grpo_prompt"]}}  # fmt: skip
     (tmp_path / "preflight.json").write_text(json.dumps(p))
     md = report.write_report(tmp_path, tmp_path / "report").read_text().splitlines()
     opening = md[2]
     assert opening.startswith("**Preflight**") and "pass rate 0.188" in opening
     assert "outcome variance E[p(1-p)] 0.1875" in opening and "informative share 0.38" in opening
+    assert "resolved share inside d -0.139 +- 0.174." in opening  # below 0 by noise: its standard error beside it
     assert "1.000 +- <= 1.054 at 2 prompt states" in opening and "0.978 +- 1.266 over 5 effective of 6" in opening
     assert (
         "0 +- 0.333 and 0 +- 0.210" in opening

@@ -1,4 +1,4 @@
-"""report.py's numbers and plots, on synthetic runs (issue 20): GRPO's prompt-state reference, intervals centred on
+"""report.py's numbers and plots, on synthetic runs: GRPO's prompt-state reference, intervals centred on
 what the table prints and never of zero width, nmse_group_mean pooled, the compute columns, and plots that show
 every point or say where they are cut."""
 

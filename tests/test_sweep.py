@@ -184,21 +184,44 @@ def test_critic_lambda_is_an_optional_arm_at_lambda_095(tmp_path):
         (["--seeds", ""], "--seeds is empty"),
         (["--seeds", ","], "--seeds is empty"),
         (["--seeds", "1,x"], "'x' is not a seed"),
-        (["--launcher", "cloud"], "unknown --launcher 'cloud'"),
-        (["--scale", "huge"], "unknown --scale 'huge'"),
+        (["--launcher", "cloud"], "invalid choice 'cloud' for argument '--launcher'"),
+        (["--scale", "huge"], "invalid choice 'huge' for argument '--scale'"),
         (["--gpus", "0"], "--gpus 0 is not a positive number"),
+        (["--gpus", "two"], "--gpus"),
         (["--jobs", "0"], "--jobs 0 is not a positive number"),
         (["--jobs", "2", "--launcher", "slurm"], "--jobs runs several runs at once on the CPU"),
-        (["--bogus"], "unknown option --bogus"),
-        (["--out"], "--out needs a value"),
+        (["--preflight-prompts", "0"], "--preflight-prompts 0 is not a positive number"),
+        (["--bogus"], "Unrecognized options: --bogus"),
+        (["--dry-run=yes"], "Unrecognized options: yes"),  # a switch takes no value
+        (["--out"], "Missing value for argument '--out'"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_created(tmp_path, args, message):
+    """tyro's refusals (a bad choice, an unknown flag, a missing value) and the sweep's own checks alike: one
+    `error:` line, exit 2, before anything is written."""
     out = tmp_path / "out"
     proc = sweep("--out", out, *args) if args != ["--out"] else sweep(*args)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr + proc.stdout
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert not out.exists()
+
+
+def test_the_flags_after_dashes_go_last_to_every_trainer_and_never_to_the_sweep(tmp_path):
+    """`--` ends the sweep's options: what follows goes, as given, at the end of every trainer's command (a flag the
+    sweep also has, --seeds, included); --sbatch takes a value that starts with a dash, in either spelling."""
+    out = tmp_path / "out"
+    proc = sweep(
+        "--dry-run", "--out", out, "--seeds", "1", "--experiments", "labels", "--", "--lr", "2e-6", "--seeds", "9"
+    )
+    check_ok(proc)
+    commands = [line for line in proc.stdout.splitlines() if ".py --run-dir " in line]
+    assert len(commands) == 4 and all(c.endswith(" --lr 2e-6 --seeds 9") for c in commands), commands
+    assert "seeds 1," in proc.stdout and "-s9" not in proc.stdout  # the sweep's own seeds
+    for sbatch in (["--sbatch", "--partition=gpu --time=1:00:00"], ["--sbatch=--partition=gpu --time=1:00:00"]):
+        proc = sweep("--dry-run", "--launcher", "slurm", "--out", out, "--experiments", "labels", *sbatch)
+        check_ok(proc)
+        assert " --partition=gpu --time=1:00:00 --job-name=sweep " in proc.stdout, proc.stdout
     assert not out.exists()
 
 

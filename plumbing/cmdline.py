@@ -1,0 +1,128 @@
+"""The command line read with tyro, its refusals one line. No torch: sweep_runner.py uses it before any trainer starts.
+
+Holds: parse (tyro with a given instance as its defaults; a bad flag or value a UserError of one line, not tyro's box),
+parse_args (the same with the class's own defaults), help_opening and fill (--help's first paragraph, any paragraph),
+tyro_message (tyro's error box as one line), flag_value and given_fields (what the flags say before tyro parses them).
+Does not hold: the trainers' two presets and the device they depend on (runtime.cli), any script's Args. Imports
+errors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import re
+import shutil
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from plumbing.errors import UserError
+
+T = TypeVar("T")
+
+
+def flag_value(flags: Sequence[str], name: str, default: Any) -> Any:
+    """The value of one flag as tyro (argparse) will read it, before it parses: `--name value` or `--name=value`,
+    in dashes or underscores, the last one given; `default` when it is absent. The value is not checked here."""
+    spellings = {"--" + name, "--" + name.replace("_", "-")}
+    value = default
+    for i, flag in enumerate(flags):
+        key, eq, after = flag.partition("=")
+        if key in spellings:
+            value = after if eq else (flags[i + 1] if i + 1 < len(flags) else value)
+    return value
+
+
+def given_fields(cls: type, flags: Sequence[str]) -> set[str]:
+    """The fields of cls that the flags set, in any spelling tyro takes (`--batch-size 8`, `--batch_size=8`,
+    `--no-progress`). A value never starts with `--` (argparse refuses one), so every such token is a flag."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    given = set()
+    for flag in flags:
+        if not flag.startswith("--"):
+            continue
+        key = flag[2:].partition("=")[0].replace("-", "_")
+        if key in names:
+            given.add(key)
+        elif key.startswith("no_") and key[3:] in names:  # a boolean's --no-x
+            given.add(key[3:])
+    return given
+
+
+def parse(cls: type[T], default: T, args: Sequence[str] | None, **tyro_options: Any) -> T:
+    """cls from the command line (args; None: sys.argv[1:]) with tyro, `default` giving every default. A bad flag
+    or value is a UserError of one line (tyro's message, without its box or help hints); --help exits 0 as tyro does.
+    tyro_options go to tyro.cli (prog, config, a description other than help_opening's)."""
+    import tyro
+
+    err = io.StringIO()
+    tyro_options.setdefault("description", help_opening(cls))
+    try:
+        with contextlib.redirect_stderr(err):
+            out = tyro.cli(cls, default=default, args=args, **tyro_options)
+    except SystemExit as e:
+        if e.code == 2:  # tyro printed an error box and exits 2: its message, as one line
+            raise UserError(tyro_message(err.getvalue())) from None
+        sys.stderr.write(err.getvalue())
+        raise
+    sys.stderr.write(err.getvalue())  # tyro's warnings, if any
+    return out
+
+
+def parse_args(cls: type[T], args: Sequence[str] | None = None) -> T:
+    """A script's Args (a dataclass, its defaults cls()'s) from the command line with tyro, for a script without
+    the trainers' two presets (report.py, preflight.py). A bad flag or value is a UserError of one line."""
+    return parse(cls, cls(), args)
+
+
+def help_opening(cls: type) -> str:
+    """--help's opening: the first line of the script's docstring (what the script does), then the Args class's own
+    docstring if it has one (how to call it), each wrapped at words to the terminal's width (at most 120)."""
+    module = sys.modules.get(cls.__module__)
+    parts = [((module.__doc__ if module else None) or "").strip().split("\n")[0]]
+    own = cls.__doc__ or ""
+    if not own.startswith(cls.__name__ + "("):  # not the signature dataclass writes where there is no docstring
+        parts.append(" ".join(own.split()))
+    return "\n\n".join(fill(p) for p in parts if p)
+
+
+def fill(paragraph: str, first: str = "", hanging: str = "  ") -> str:
+    """One paragraph of --help's description, wrapped at words to the terminal's width (at most 120), after `first`
+    on its first line and `hanging` on the others: an indent, for tyro joins a line of the description that starts
+    with a letter to the line before it."""
+    width = max(40, min(shutil.get_terminal_size().columns, 120))
+    return textwrap.fill(
+        " ".join(paragraph.split()),
+        width,
+        initial_indent=first,
+        subsequent_indent=hanging,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def tyro_message(box: str) -> str:
+    """tyro's error box -> its message on one line. rich draws the box with borders and the title in the top one,
+    or (no terminal features) plain: the title alone above a rule of dashes. The message is the first block of
+    text after the title, up to the next rule or blank row; the details and help hints after it are left out."""
+    box = re.sub(r"\x1b\[[0-9;]*m", "", box)  # colours, if any
+    rows = [line.strip().strip("│").strip() for line in box.splitlines()]
+    is_rule = [bool(r) and set(r) <= set("─-") for r in rows]
+    blocks: list[list[str]] = [[]]
+    for i, (row, rule) in enumerate(zip(rows, is_rule)):
+        if rule or row[:1] in ("╭", "╰"):  # a rule, or a border (the rich title lives there)
+            blocks.append([])
+        elif row:
+            title = not any(blocks) and i + 1 < len(rows) and is_rule[i + 1] and len(blocks) == 1
+            if not title:  # the plain title: a first line right above a rule
+                blocks[-1].append(row)
+        elif blocks[-1]:  # a blank row ends the message: what follows details it ("Got errors: ...")
+            blocks.append([])
+    text = next((b for b in blocks if b), [])
+    out = ""
+    for piece in text:  # rich wraps at the box's width; a wrapped "." or ")" joins without a space
+        out += piece if not out or piece[0] in ".,;:)]" else " " + piece
+    return out or "bad command line (run with --help)"
