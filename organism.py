@@ -278,6 +278,7 @@ def sha256(path: Path) -> str:
 def main() -> None:
     args = cmdline.parse_args(Args)
     validate(args)
+    models.quiet_transformers()
     out, t0 = Path(args.out), time.time()
     settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("out", "progress")}
     print(f"organism: {', '.join(f'{k}={v}' for k, v in settings.items())}", flush=True)
