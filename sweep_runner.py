@@ -62,6 +62,8 @@ class Args:
     """print what would run, run nothing"""
     smoke: bool = False
     """every experiment with --model tiny, seed 1, 2 steps and tiny evaluations, on the CPU, in minutes"""
+    organism: bool = False
+    """the study on the model organism (organism.py), on this machine's CPU: --model organism at --scale cpu (the trainers' organism presets), 2 runs at once each on one thread, the preflight on 128 prompts, OUT runs/organism unless given; under 2 hours on 2 cores"""
     report_only: bool = False
     """write the report from the runs already in --out"""
     preflight: bool = False
@@ -93,6 +95,7 @@ class Options:
     sbatch: str = ""
     dry_run: bool = False
     smoke: bool = False
+    organism: bool = False  # the study on the model organism, on this CPU
     report_only: bool = False
     preflight: bool = False  # only the preflight
     preflight_prompts: int = 0  # 0: preflight.py's default (256 on a GPU, 8 on the CPU)
@@ -186,6 +189,7 @@ def help_text(plan: str, lines: list[tuple[str, str, str, list[str]]], default: 
     examples = [
         ("./sweep.sh --dry-run", "every command, run nothing"),
         ("./sweep.sh --smoke", "all of it on the CPU, a tiny random model, in minutes"),
+        ("./sweep.sh --organism", "the study on the model organism, on 2 CPU cores, under 2 hours"),
         ("./sweep.sh --preflight", "only the preflight: has the model the signal the study needs?"),
         ("./sweep.sh --experiments h2h --seeds 1,2", "a subset"),
         ("./sweep.sh --gpus 8", "one run per GPU at a time, on this machine"),
@@ -235,6 +239,11 @@ def parse_args(argv: list[str], experiments: list[str], plan: str = "") -> Optio
     given = cmdline.given_fields(Args, flags)
 
     o = Options(extra=extra, dry_run=a.dry_run, smoke=a.smoke, report_only=a.report_only, preflight=a.preflight)
+    o.organism = a.organism
+    if o.smoke and o.organism:
+        raise UserError("--smoke and --organism are two different sweeps: give one")
+    if o.organism and ("model" in given or "scale" in given):
+        raise UserError("--organism runs --model organism at --scale cpu: drop --model and --scale")
     o.force, o.sbatch, o.budget_from, o.slurm_task = a.force, a.sbatch, a.budget_from, a.slurm_task
     for e in a.experiments.split(","):
         if e and e not in experiments:
@@ -251,19 +260,22 @@ def parse_args(argv: list[str], experiments: list[str], plan: str = "") -> Optio
             o.seeds.append(int(s))
     if not o.seeds:
         raise UserError("--seeds is empty: give one or more seeds, e.g. --seeds 1,2,3")
-    o.model = "tiny" if o.smoke else (a.model or "")
-    o.scale = "study" if o.smoke else a.scale  # --smoke's flags are the scale: never rescaled
-    o.out = (a.out if "out" in given or not o.smoke else Path("runs/smoke")).absolute()
+    o.model = "tiny" if o.smoke else "organism" if o.organism else (a.model or "")
+    o.scale = "study" if o.smoke else "cpu" if o.organism else a.scale  # --smoke's flags are the scale
+    default_out = Path("runs/smoke") if o.smoke else Path("runs/organism") if o.organism else a.out
+    o.out = (a.out if "out" in given else default_out).absolute()
     o.gpus = positive("--gpus", a.gpus) if a.gpus is not None else 0
     if "jobs" in given:
         o.jobs = positive("--jobs", a.jobs)
-    elif o.smoke:  # one run per core, two at most: the runs are small
+    elif o.smoke or o.organism:  # one run per core, two at most: the runs are small
         o.jobs = min(2, len(os.sched_getaffinity(0)))
     o.launcher = a.launcher if "launcher" in given or not o.gpus else "gpus"
     if o.launcher != "seq" and "jobs" in given:
         raise UserError("--jobs runs several runs at once on the CPU: it goes with --launcher seq")
     if a.preflight_prompts is not None:
         o.preflight_prompts = positive("--preflight-prompts", a.preflight_prompts)
+    elif o.organism:
+        o.preflight_prompts = ORGANISM_PREFLIGHT_PROMPTS
     if o.slurm_task is not None and o.slurm_task < 0:
         raise UserError(f"--slurm-task {o.slurm_task} is not a run of this plan")
     return o
@@ -387,6 +399,7 @@ def reference(o: Options, run: Run) -> Path:
 
 EXIT_NO_SIGNAL = 3  # preflight.py's: the model lacks the signal the study needs
 SMALLEST_EFFECT = 0.05  # preflight.py's default --smallest-effect (this file imports no torch, so not preflight)
+ORGANISM_PREFLIGHT_PROMPTS = 128  # --organism's preflight: train prompts sampled, G times each
 
 
 def preflight_command(
@@ -430,9 +443,14 @@ def run_preflight(o: Options, cmd: list[str], reuse: bool) -> int:
         print(f"{old.get('verdict', 'preflight')} (reused from {path})", flush=True)
         rc = 0 if old["passed"] else EXIT_NO_SIGNAL
     else:
-        env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if o.smoke else {})}
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL).returncode
+        rc = subprocess.run(cmd, cwd=REPO, env=run_env(o), stdin=subprocess.DEVNULL).returncode
     return rc
+
+
+def run_env(o: Options) -> dict[str, str]:
+    """A run's (and the preflight's) environment: --smoke's and --organism's on one thread each, unless OMP_NUM_THREADS
+    says otherwise (runs side by side on a small CPU: a second thread a run would spin beside the other run)."""
+    return {**({"OMP_NUM_THREADS": "1"} if o.smoke or o.organism else {}), **os.environ}
 
 
 def refusal(o: Options) -> str:
@@ -513,9 +531,7 @@ class Sweep:
             note = " (resuming from its checkpoint)"
         gpu = slot if slot and not slot.startswith("cpu") else ""
         print(f"run   {run.label}{f' on GPU {gpu}' if gpu else ''}{note}: {' '.join(cmd)}", flush=True)
-        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
-        if self.o.smoke:
-            env.setdefault("OMP_NUM_THREADS", "1")  # one thread per run: far faster on a small, shared CPU
+        env = {**run_env(self.o), **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
         with open(log, "a") as f:
             f.write(f"=== {time.strftime('%F %T')} {' '.join(cmd)}\n")
             f.flush()

@@ -24,6 +24,7 @@ from helpers import REPO, check_ok, check_one_error_line, run_here, run_sweep, t
 import intervals
 import measure
 import report
+import sweep_runner
 from plumbing import checkpoint, rundir
 
 CRITICS = ["none", "small", "medium", "large", "full"]
@@ -162,6 +163,24 @@ def test_dry_run_shows_the_budget_once_the_reference_run_exists(smoke, tmp_path)
     assert proc.stdout.count(f"--token-budget {budget} ") == 8
 
 
+def test_the_organism_study_is_the_plan_on_the_organism_two_runs_at_once_each_on_one_thread(tmp_path):
+    """--organism: every run of the default experiments on --model organism at --scale cpu (the trainers' organism
+    presets), seeds 1, 2, 3, two jobs, the preflight on its own prompt count; the folder runs/organism unless given."""
+    out = tmp_path / "out"
+    proc = sweep("--organism", "--dry-run", "--out", out)
+    check_ok(proc)
+    commands = [line for line in proc.stdout.splitlines() if ".py --run-dir " in line]
+    assert len(commands) == 3 * N_RUNS
+    assert all(" --model organism --scale cpu --no-progress" in c for c in commands)
+    pre = sweep("--organism", "--preflight", "--dry-run", "--out", out)
+    check_ok(pre)
+    assert f"--prompts {sweep_runner.ORGANISM_PREFLIGHT_PROMPTS} " in pre.stdout and "--model organism" in pre.stdout
+    o = sweep_runner.parse_args(["--organism", "--default-experiments", "h2h,critic"], ["h2h", "critic", "labels"])
+    assert (o.model, o.scale, o.jobs, o.seeds) == ("organism", "cpu", min(2, os.cpu_count()), [1, 2, 3])
+    assert o.out == Path("runs/organism").absolute()
+    assert sweep_runner.run_env(o)["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+
+
 def test_critic_lambda_is_an_optional_arm_at_lambda_095(tmp_path):
     out = tmp_path / "out"
     default = sweep("--dry-run", "--out", out, "--seeds", "1")
@@ -194,6 +213,8 @@ def test_critic_lambda_is_an_optional_arm_at_lambda_095(tmp_path):
         (["--bogus"], "Unrecognized options: --bogus"),
         (["--dry-run=yes"], "Unrecognized options: yes"),  # a switch takes no value
         (["--out"], "Missing value for argument '--out'"),
+        (["--organism", "--smoke"], "--smoke and --organism are two different sweeps"),
+        (["--organism", "--model", "tiny"], "--organism runs --model organism at --scale cpu"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_created(tmp_path, args, message):
