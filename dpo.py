@@ -172,7 +172,7 @@ def validate(args: Args) -> None:
 CPU_SCALE = {
     "organism": dict(
         model="organism", batch_size=32, samples_per_prompt=4, max_new_tokens=64, total_steps=30, micro_batch_size=64,
-        offline_prompts=512, lr=3e-5, eval_every=10, eval_size=500, test_size=0, eval_batch_size=500,
+        offline_prompts=512, lr=5e-5, eval_every=10, eval_size=500, test_size=0, eval_batch_size=500,
         eval_max_new_tokens=64, save_every=10,
     ),
     "smollm2": dict(

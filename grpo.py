@@ -199,8 +199,8 @@ def validate(args: Args) -> None:
 # split before and after, paired. TUNING PENDING. smollm2: GSM8K on the packaged SmolLM2-135M, the pipeline only.
 CPU_SCALE = {
     "organism": dict(
-        model="organism", batch_size=32, max_new_tokens=64, total_steps=30, micro_batch_size=256, lr=3e-5,
-        mc_every=10, mc_prompts=32, eval_every=10, eval_size=500, test_size=0, eval_batch_size=500,
+        model="organism", batch_size=32, max_new_tokens=64, total_steps=30, micro_batch_size=256, lr=5e-5,
+        mc_every=2, mc_prompts=32, eval_every=10, eval_size=500, test_size=0, eval_batch_size=500,
         eval_max_new_tokens=64, save_every=10,
     ),
     "smollm2": dict(

@@ -227,8 +227,8 @@ def validate(args: Args) -> None:
 #   steps and 96 evaluation tokens).
 CPU_SCALE = {
     "organism": dict(
-        model="organism", batch_size=256, max_new_tokens=64, total_steps=30, micro_batch_size=256, lr=3e-5,
-        mc_every=10, mc_prompts=32, eval_every=10, eval_size=500, test_size=0, eval_batch_size=500,
+        model="organism", batch_size=256, max_new_tokens=64, total_steps=30, micro_batch_size=256, lr=5e-5,
+        mc_every=5, mc_prompts=72, eval_every=10, eval_size=500, test_size=0, eval_batch_size=500,
         eval_max_new_tokens=64, save_every=10,
     ),
     "smollm2": dict(
