@@ -334,9 +334,11 @@ def prompt_text(question: str) -> str:
 
 
 def encode_prompt(tokenizer: Any, question: str, prompt_format: str = "chat") -> list[int]:
-    """Token ids of the prompt for one problem. The only prompt builder: training and evaluation call it."""
-    content = prompt_text(question)
-    if prompt_format == "chat":
+    """Token ids of the prompt for one problem. The only prompt builder: training and evaluation call it.
+    chat: the question and the instruction through the chat template; question: the question alone through it (the
+    organism, which learned the answer's format in its fine-tuning); plain: "Question: ... Answer:"."""
+    content = question.strip() if prompt_format == "question" else prompt_text(question)
+    if prompt_format in ("chat", "question"):
         if not getattr(tokenizer, "chat_template", None):
             raise errors.UserError(
                 "this tokenizer has no chat template; pass --prompt-format plain to use plain-text prompts"
@@ -349,7 +351,7 @@ def encode_prompt(tokenizer: Any, question: str, prompt_format: str = "chat") ->
         return [int(i) for i in ids]
     if prompt_format == "plain":
         return tokenizer(f"Question: {content}\nAnswer:", add_special_tokens=True)["input_ids"]
-    raise errors.UserError(f"unknown --prompt-format {prompt_format!r}: use chat or plain")
+    raise errors.UserError(f"unknown --prompt-format {prompt_format!r}: use chat, question or plain")
 
 
 # ======================================================================================================

@@ -71,8 +71,8 @@ class Args:
     # pipeline, not the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a folder or .gguf
     model: str = "qwen2.5-0.5b"
     """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, smollm2 (packaged), tiny, hub id or path"""
-    prompt_format: Literal["chat", "plain"] = "chat"
-    """chat (the tokenizer's chat template) or plain (only for a model without one)"""
+    prompt_format: Literal["chat", "question", "plain"] = "chat"
+    """chat (the question and the instruction through the chat template), question (the question alone through it: the organism's), or plain (a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"
     """gsm8k, or toy (reward 1 when a target token appears: the learning tests' task)"""
     data_dir: str | None = None
