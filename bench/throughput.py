@@ -69,7 +69,7 @@ ENGINE_OPTS = {"engine": {}, "engine_flex": {"attention": "flex"}, "engine_no_co
 # What the TRL ratio does not hold equal, printed beside it (from a review of both sides' settings)
 TRL_CAVEATS = (
     "TRL generates with transformers' generate() (no vLLM, no static cache); grpo.py with its static engine",
-    "optimizer steps per generation: grpo.py --num-minibatches (4 here), TRL 1 unless steps_per_generation",
+    "optimizer steps per generation: grpo.py --num-minibatches, TRL 1 (listed below when they differ)",
     "prompt order: grpo.py's seeded sampler, TRL's own shuffled sampler (different prompts per step)",
     "both medians over the steps after --warmup-steps of --trainer-steps (the same count on each side)",
 )
@@ -93,16 +93,32 @@ TARGETS = {
 }
 
 
+# The organism's CPU comparison (--organism-cpu): its own target against TRL, printed instead of the GPU's
+ORGANISM_CPU_TARGETS = {"trl_step_over_grpo_step": (">=", 2.0), "ppo_step_over_grpo_step": ("<=", 1.1)}
+
+
 @dataclass
 class Args:
     device: str = "auto"
     """auto (cuda when present), cuda or cpu"""
     tiny: bool = False
     """the tiny random model at toy sizes: with --device cpu, a test of this script"""
+    organism_cpu: bool = False
+    """the organism's CPU comparison with TRL (ORGANISM_CPU: its sizes and sections); name its folders with
+    --model, --data-dir and --prompt-format question"""
     model: str | None = None
-    """default: $SMOLLM2_GGUF when set, else smollm2 (the packaged GGUF); tiny with --tiny"""
+    """default: $SMOLLM2_GGUF when set, else smollm2 (the packaged GGUF); tiny with --tiny; a folder (the organism)"""
     data_dir: str | None = None
-    """GSM8K folder (default: $GSM8K_DIR)"""
+    """GSM8K folder (default: $GSM8K_DIR); the organism's task folder with its model"""
+    prompt_format: str = "chat"
+    """the trainers' --prompt-format, also TRL's and this script's prompts: chat, or question (the organism's)"""
+    trl_python: str | None = None
+    """the interpreter that runs bench/trl_grpo.py (a venv with TRL and requirements.txt); None: this one"""
+    trl_micro_batch_size: int = 64
+    """TRL's per_device_train_batch_size (at most the completions per step); the CPU's organism runs: 256"""
+    rounds: int = 1
+    """runs of grpo.py and of TRL, alternated (grpo.py, TRL, grpo.py, ...) when both sections are chosen: each
+    side's step time is the median over its runs' medians (a shared CPU: both sides see the same load)"""
     sections: str = ",".join(DEFAULT_SECTIONS)
     """comma-separated sections to run, from: sdpa, check, generate, hf_static, eval, grpo, ppo, toy, trl, train"""
     variants: str = ",".join(VARIANTS)
@@ -161,6 +177,30 @@ class Args:
     """limit for each trainer subprocess"""
 
 
+# The organism on 2 CPU cores (the CPU's study): 32 prompts x 8 completions of at most 64 tokens, one optimiser
+# step a batch in one forward of 256 rows, both sides run three times, alternated. With --model and --data-dir
+# naming the organism's folders and --prompt-format question (docs/throughput.md).
+ORGANISM_CPU = dict(
+    grpo_prompts=32,
+    group=8,
+    new_tokens=64,
+    update_args="--update-epochs 1 --num-minibatches 1 --micro-batch-size 256 --lr 3e-5",
+    trl_micro_batch_size=256,
+    trainer_steps=6,
+    warmup_steps=1,
+    rounds=3,
+    sections="grpo,ppo,trl",
+)
+
+
+def apply_organism_cpu(args: Args) -> None:
+    """The organism's CPU sizes (only the fields left at their defaults)."""
+    defaults = Args()
+    for key, value in ORGANISM_CPU.items():
+        if getattr(args, key) == getattr(defaults, key):
+            setattr(args, key, value)
+
+
 def apply_tiny(args: Args) -> None:
     """Toy sizes for the tiny model on the CPU (only the fields left at their defaults)."""
     toy = dict(
@@ -207,6 +247,8 @@ class Bench:
         self.report: dict[str, Any] = {
             "device": distributed.device_description(self.device, 1),
             "versions": {"torch": torch.__version__, "transformers": _version("transformers"), "trl": _version("trl")},
+            # what decides CPU timings besides the code: the threads, and whether idle OpenMP threads spin
+            "env": {"threads": torch.get_num_threads(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
             "model": self.model_name,
             "dtype": distributed.dtype_name(self.device),
             "settings": asdict(args),
@@ -221,7 +263,8 @@ class Bench:
 
     def prompts(self, n: int, split: str = "train") -> list[list[int]]:
         problems = self.splits[split]
-        return [gsm8k.encode_prompt(self.tok, problems[i % len(problems)].question) for i in range(n)]
+        fmt = self.args.prompt_format
+        return [gsm8k.encode_prompt(self.tok, problems[i % len(problems)].question, fmt) for i in range(n)]
 
     def sync(self) -> None:
         if self.cuda:
@@ -301,8 +344,10 @@ def ratios(sections: dict[str, Any]) -> dict[str, float | None]:
 
 def print_table(report: dict[str, Any]) -> None:
     rows = []
+    organism = (report.get("settings") or {}).get("organism_cpu")
+    targets = ORGANISM_CPU_TARGETS if organism else TARGETS
     for key, value in report["ratios"].items():
-        target = TARGETS.get(key)
+        target = targets.get(key)
         verdict = ""
         if target is not None and value is not None:
             op, bound = target
@@ -698,6 +743,8 @@ def _trainer_args(b: Bench, run_dir: Path) -> list[str]:
         "--save-every": 0,
         "--eval-size": 4 if a.tiny else 32,
         "--test-size": 4 if a.tiny else 32,
+        "--eval-max-new-tokens": a.new_tokens,  # after the timed steps; within a small model's context
+        "--prompt-format": a.prompt_format,
         "--run-dir": run_dir,
     }
     if a.data_dir:
@@ -764,15 +811,46 @@ def _fill(template: str, **values: int) -> list[str]:
 
 
 def section_grpo(b: Bench) -> dict[str, Any]:
+    """grpo.py's step; with --rounds > 1 and the trl section chosen, grpo.py and TRL alternated, run by run."""
     a = b.args
     out = b.current
     out.update(prompts=a.grpo_prompts, group=a.group, new_tokens=a.new_tokens)
-    out["grpo"] = run_trainer(b, "grpo.py", _fill(a.grpo_args, prompts=a.grpo_prompts, group=a.group), "grpo")
+    extra = _fill(a.grpo_args, prompts=a.grpo_prompts, group=a.group)
+    if a.rounds <= 1 or "trl" not in [x.strip() for x in a.sections.split(",")]:
+        out["grpo"] = run_trainer(b, "grpo.py", extra, "grpo")
+        return out
+    runs: dict[str, list[dict[str, Any]]] = {"grpo": [], "trl": []}
+    for _ in range(a.rounds):  # the same load for both sides: one run of each, in turn
+        runs["grpo"].append(run_trainer(b, "grpo.py", extra, "grpo"))
+        runs["trl"].append({**run_trl(b), "caveats": list(TRL_CAVEATS)})
+        out["grpo"], out["trl"] = (combine_rounds(runs[k]) for k in ("grpo", "trl"))
+        b.save()
+    return out
+
+
+def combine_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's alternated runs as one record: the last run's fields, each time the median over the runs that
+    measured it, and every run's own figures (rounds)."""
+    out = dict(runs[-1])
+    for key in ("step_s", "rollout_s", "update_s"):
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = _median(vals)
+        out[f"{key}_rounds"] = vals
+    out["rounds"] = len(runs)
+    errors = [r["error"] for r in runs if r.get("error")]
+    if errors:
+        out["error"] = errors[-1]
+    else:
+        out.pop("error", None)
     return out
 
 
 def section_trl(b: Bench) -> dict[str, Any]:
-    """TRL's GRPOTrainer at grpo.py's sizes and step count, with what the ratio does not hold equal."""
+    """TRL's GRPOTrainer at grpo.py's sizes and step count, with what the ratio does not hold equal (already
+    measured, alternated with grpo.py, when the grpo section ran with --rounds > 1)."""
+    alternated = b.report["sections"].get("grpo", {}).get("trl")
+    if alternated:
+        return dict(alternated)
     return {**run_trl(b), "caveats": list(TRL_CAVEATS)}
 
 
@@ -803,8 +881,11 @@ def section_ppo(b: Bench) -> dict[str, Any]:
 
 def run_trl(b: Bench) -> dict[str, Any]:
     """TRL's GRPOTrainer at the same sizes, in its own process (bench/trl_grpo.py)."""
-    if importlib.util.find_spec("trl") is None:
-        return {"skipped": "trl is not installed (pip install -r bench/requirements.txt)"}
+    python = b.args.trl_python or sys.executable
+    if not b.args.trl_python and importlib.util.find_spec("trl") is None:
+        return {
+            "skipped": "trl is not installed (pip install -r bench/requirements.txt, or name a venv's --trl-python)"
+        }
     if b.over_deadline():
         return {"skipped": b.over_deadline()}
     a = b.args
@@ -815,7 +896,7 @@ def run_trl(b: Bench) -> dict[str, Any]:
     else:
         model_dir = Path(models.resolve_model(b.model_name))
     out_json = Path(a.work_dir) / "trl.json"
-    cmd = [sys.executable, "bench/trl_grpo.py", "--model-dir", str(model_dir), "--out", str(out_json)]
+    cmd = [python, "bench/trl_grpo.py", "--model-dir", str(model_dir), "--out", str(out_json)]
     cmd += ["--device", b.device.type, "--prompts", str(a.grpo_prompts), "--generations", str(a.group)]
     cmd += [
         "--max-new-tokens",
@@ -825,8 +906,15 @@ def run_trl(b: Bench) -> dict[str, Any]:
         "--run-dir",
         f"{a.work_dir}/trl-run",
     ]
-    cmd += ["--micro-batch-size", str(min(64, a.grpo_prompts * a.group))]
-    cmd += ["--grpo-args", f"{a.update_args} {a.grpo_args.format(prompts=a.grpo_prompts, group=a.group)}"]
+    cmd += ["--micro-batch-size", str(min(a.trl_micro_batch_size, a.grpo_prompts * a.group))]
+    cmd += ["--prompt-format", a.prompt_format]
+    grpo_args = (
+        f"--max-new-tokens {a.new_tokens} {a.update_args} {a.grpo_args.format(prompts=a.grpo_prompts, group=a.group)}"
+    )
+    cmd += [f"--grpo-args={grpo_args}"]  # one word: its value starts with a dash
+    lr = shlex.split(grpo_args)
+    if "--lr" in lr:  # the learning rate grpo.py runs with
+        cmd += ["--lr", lr[lr.index("--lr") + 1]]
     if a.data_dir:
         cmd += ["--data-dir", a.data_dir]
     log = Path(a.work_dir) / "trl.log"
@@ -897,6 +985,8 @@ def main() -> None:
         return
     if args.tiny:
         apply_tiny(args)
+    if args.organism_cpu:
+        apply_organism_cpu(args)
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:

@@ -57,6 +57,8 @@ class Args:
     """TRL's output_dir (nothing is saved)"""
     grpo_args: str = ""
     """the arguments bench/throughput.py gives grpo.py (its settings are grpo.py's defaults with these)"""
+    prompt_format: str = "chat"
+    """chat (the question and the instruction as the user message) or question (the question alone: the organism's)"""
 
 
 def grpo_settings(arg_string: str) -> dict:
@@ -123,6 +125,12 @@ def differences_from_grpo(config, g: dict, completions: int) -> dict[str, dict]:
     return out
 
 
+def user_message(question: str, prompt_format: str) -> str:
+    """The user message gsm8k.encode_prompt puts through the chat template: the question and the instruction
+    (chat), or the question alone (question)."""
+    return question.strip() if prompt_format == "question" else gsm8k.prompt_text(question)
+
+
 class StepTimer:
     """A TrainerCallback that times each optimiser step (generation, scoring and update), synchronising the GPU."""
 
@@ -149,11 +157,15 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    if args.prompt_format not in ("chat", "question"):
+        raise SystemExit(
+            f"--prompt-format {args.prompt_format!r}: TRL's prompts here are chat messages (chat or question)"
+        )
     splits = gsm8k.load_gsm8k(args.data_dir)
     rows = [
-        {"prompt": [{"role": "user", "content": gsm8k.prompt_text(p.question)}], "gold": p.gold}
+        {"prompt": [{"role": "user", "content": user_message(p.question, args.prompt_format)}], "gold": p.gold}
         for p in splits["train"][: max(args.prompts * (args.steps + 1), 64)]
-    ]  # the same user message as gsm8k.encode_prompt's chat prompt
+    ]
 
     def gsm8k_reward(completions, gold, **kwargs) -> list[float]:
         return [gsm8k.gsm8k_reward(c[0]["content"], g) for c, g in zip(completions, gold)]

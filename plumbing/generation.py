@@ -1,6 +1,6 @@
 """generate(): a batch of prompts sampled or decoded greedily, by the static engine or by transformers.
 
-Holds: generate() (backend "static" on a GPU, "hf" on the CPU; a model the static engine cannot run falls back to
+Holds: generate() (backend "static" on a GPU and on the CPU; a model the static engine cannot run falls back to
 transformers with one notice), the transformers path (its dynamic KV cache, one host sync per token), and the
 rollout record (which backend ran, every fallback with its reason) that results.json and the benchmark report.
 Does not hold: the static engine itself (static_engine.py, static_kernels.py), the sampler and the Rollout
@@ -74,17 +74,18 @@ def generate(
     """Sample (uniforms [B, >= max_new_tokens]) or decode greedily (uniforms None) a batch of prompts.
 
     backend: "static" runs StaticEngine (a preallocated KV cache; on a GPU each decode step replays a CUDA
-    graph), "hf" the transformers model with its dynamic cache, "auto" the first on a GPU and the second on
-    the CPU. Both sample with sample_tokens and one uniform per (row, step), stop once every sequence has
-    emitted EOS, and return the same Rollout. Each decode step also yields the final hidden state, so a
-    critic head can read V(s_t) without another forward.
+    graph), "hf" the transformers model with its dynamic cache, "auto" the first for a model it runs (Llama,
+    Qwen2), on a GPU and on the CPU alike, else the second with one notice. On 2 CPU cores the engine took 0.7x
+    to 0.3x generate's time (docs/throughput.md: the organism, the tiny model, SmolLM2-135M). Both sample with
+    one uniform per (row, step) (the engine with sample_tokens_fp32, transformers with sample_tokens' fp64
+    CDF), stop once every sequence has emitted EOS, and return the same Rollout. Each decode step also yields
+    the final hidden state, so a critic head can read V(s_t) without another forward.
     """
     if backend not in GENERATION_BACKENDS:
         raise errors.UserError(f"unknown generation backend {backend!r}: use {', '.join(GENERATION_BACKENDS)}")
     lm = distributed.unwrap(model)
-    device = next(lm.parameters()).device
-    if backend == "auto":
-        backend = "static" if device.type == "cuda" else "hf"
+    if backend == "auto":  # the static engine wherever it runs the model: faster on a GPU and on the CPU
+        backend = "static"
     kwargs = dict(
         max_new_tokens=max_new_tokens,
         eos_id=eos_id,

@@ -24,7 +24,12 @@ from plumbing.forward import matmul_fp32_out
 from plumbing.rollout import Rollout, left_pad, round_up
 from plumbing.static_kernels import (
     BATCH_BUCKETS,
+    CPU_KV_CHUNK,
+    CPU_MIN_ROWS,
+    CPU_PROMPT_BUCKET,
     FLEX_BLOCK,
+    causal_attention_math,
+    decode_attention_math,
     decode_sample,
     generator_restore,
     generator_snapshot,
@@ -38,6 +43,7 @@ from plumbing.static_kernels import (
     row_group_bounds,
     static_engine_unsupported,
     tokens_dynamic,
+    unique_prompts,
 )
 
 
@@ -107,8 +113,8 @@ class StaticEngine:
         compile_backend: Any = "inductor",
         batch_multiple: int | None = None,
         batch_buckets: Sequence[int] | None = None,
-        prompt_bucket: int = 64,
-        kv_chunk: int = 64,
+        prompt_bucket: int | None = None,
+        kv_chunk: int | None = None,
         check_every: int | None = None,
         top_k: int | None = None,
         attention: str = "sdpa",
@@ -128,7 +134,13 @@ class StaticEngine:
         # rows: a multiple when given, else the buckets (on a GPU), else exactly what is asked (the CPU)
         self.batch_multiple = batch_multiple
         self.batch_buckets = tuple(batch_buckets) if batch_buckets is not None else (BATCH_BUCKETS if cuda else ())
-        self.prompt_bucket, self.kv_chunk = prompt_bucket, kv_chunk
+        # on a GPU, buckets keep the graphs and compiled shapes few; on the CPU (no graphs) they are only padding
+        self.prompt_bucket = prompt_bucket or (64 if cuda else CPU_PROMPT_BUCKET)
+        self.kv_chunk = kv_chunk or (64 if cuda else CPU_KV_CHUNK)
+        self.slot_multiple = 256 if cuda else CPU_KV_CHUNK  # the cache's slots: few sizes on a GPU, compact on the CPU
+        # the CPU samples as transformers' path does (rollout.sample_tokens, fp64 CDF and uniforms): a row's token
+        # then stays put when two batchings differ in the last bits of its logits (N ranks equal one process)
+        self.fp64_cdf = not cuda
         self.check_every = check_every or (16 if cuda else 1)
         self.top_k = (1024 if cuda else 0) if top_k is None else top_k  # the top-p prefilter (0: none)
         if attention not in ("sdpa", "flex"):
@@ -275,13 +287,16 @@ class StaticEngine:
     # ---- buffers -------------------------------------------------------------------------------------
 
     def rows_for(self, b: int) -> int:
-        """The rows a batch of b runs with: a multiple of batch_multiple, else the smallest bucket that holds it."""
+        """The rows a batch of b runs with: a multiple of batch_multiple, else the smallest bucket that holds it;
+        on the CPU at least CPU_MIN_ROWS (extra rows start finished)."""
         if self.batch_multiple:
             return round_up(b, self.batch_multiple)
         for bucket in self.batch_buckets:
             if b <= bucket:
                 return bucket
-        return round_up(b, self.batch_buckets[-1]) if self.batch_buckets else b
+        if self.batch_buckets:
+            return round_up(b, self.batch_buckets[-1])
+        return b if self.device.type == "cuda" else max(b, CPU_MIN_ROWS)
 
     def reserve(self, rows: int, prompt_tokens: int, new_tokens: int, return_hidden: bool = False) -> None:
         """Size the buffers for the largest call a run will make (rows, longest prompt, new tokens), so that
@@ -300,7 +315,7 @@ class StaticEngine:
             return
         self.release_graphs()
         self.max_b = max(n, self.max_b)
-        self.max_l = max(round_up(length, 256), self.max_l)
+        self.max_l = max(round_up(length, self.slot_multiple), self.max_l)
         self.max_t = max(round_up(steps, 64), self.max_t)
         self.with_hidden = self.with_hidden or hidden
         B, Lm, T, dev = self.max_b, self.max_l, self.max_t, self.device
@@ -311,7 +326,7 @@ class StaticEngine:
         self.pos0 = torch.zeros(B, dtype=torch.long, device=dev)  # prompt length = slot of response token 0
         self.h = torch.zeros(B, self.hidden_size, device=dev)  # final-norm hidden state of the current state
         self.step = torch.zeros(1, dtype=torch.long, device=dev)
-        self.u = torch.zeros(B, T, device=dev)  # fp32: what the sampler reads
+        self.u = torch.zeros(B, T, device=dev, dtype=torch.float64 if self.fp64_cdf else torch.float32)
         self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
         self.out_tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         self.out_logp = torch.zeros(B, T, device=dev)
@@ -348,6 +363,8 @@ class StaticEngine:
 
         n = q.shape[0]
         qg = q[:, 0].unflatten(1, (self.n_kv, self.rep))  # [n, kv, rep, d]: head h reads kv head h // rep
+        if self.device.type == "cpu":  # two matmuls: faster than the CPU's SDPA kernels for one query a row
+            return decode_attention_math(qg, k, v, bias, self.scale).reshape(n, 1, self.n_heads * self.head_dim)
         with sdpa_kernel(self._sdpa_backends(prefill=False)):
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=self.scale)
         return o.reshape(n, 1, self.n_heads * self.head_dim)
@@ -385,21 +402,29 @@ class StaticEngine:
         from torch.nn.attention import sdpa_kernel
 
         n, S = q.shape[:2]
+        if self.device.type == "cpu":  # a row's result then does not depend on the batch's width S
+            qg = q.transpose(1, 2).unflatten(1, (self.n_kv, self.rep)).flatten(2, 3)  # [n, kv, rep S, d]
+            o = causal_attention_math(qg, k, v, self.scale)  # [n, kv, rep S, d]
+            return o.unflatten(2, (self.rep, S)).flatten(1, 2).transpose(1, 2).reshape(n, S, -1)
         k, v = (x.repeat_interleave(self.rep, dim=1) for x in (k, v))  # [n, heads, S, d]
         with sdpa_kernel(self._sdpa_backends(prefill=True)):
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, scale=self.scale)
         return o.transpose(1, 2).reshape(n, S, self.n_heads * self.head_dim)
 
-    def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Right-padded prompts [n, P] into cache slots [0, P) (slot = position); self.h gets each row's state
-        before its first response token (the final-norm hidden state at slot length - 1).  lengths [n] >= 1
+    def _prefill(self, ids: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Right-padded prompts [u, P] into cache slots [0, P) (slot = position); self.h gets each row's state
+        before its first response token (the final-norm hidden state at slot length - 1).  lengths [u] >= 1
 
-        The layer pieces see the n * P tokens as one row [1, N, H] with N marked dynamic: one dynamic size
+        rows [n] (or None: u = n, row i is prompt i): the prompt of each engine row, when rows share prompts
+        (GRPO's G completions of a prompt): each distinct prompt runs once and its keys, values and state are
+        copied to every row that holds it (unique_prompts).
+        The layer pieces see the u * P tokens as one row [1, N, H] with N marked dynamic: one dynamic size
         (a multiple of prompt_bucket, never 0 or 1), the weights' sizes static, so no (rows, width) pair
         recompiles them, not even one whose size equals a model dimension."""
-        n, P = ids.shape
-        N, H, d = n * P, self.hidden_size, self.head_dim
-        pos = self.slot_ids[:P].expand(n, P)
+        u, P = ids.shape
+        n = u if rows is None else rows.shape[0]
+        N, H, d = u * P, self.hidden_size, self.head_dim
+        pos = self.slot_ids[:P].expand(u, P)
         x = F.embedding(ids, self.embed).view(1, N, H)  # fp32 [1, N, H]
         cos, sin = (c.reshape(1, N, 1, d) for c in self._rope(pos))
         for i in range(self.n_layers):
@@ -407,12 +432,14 @@ class StaticEngine:
             q, kv = self._prefill_pre(
                 x, self.ln1[i], self.qkv[i], cos, sin, self.eps, self.n_heads, self.n_kv, self._bias(i)
             )
-            kv = kv.view(2, self.n_kv, n, P, d).transpose(1, 2)  # [2, n, kv_heads, P, d]
-            self.kv[i, :, :n, :, :P] = kv
-            o = self._prefill_attention(q.view(n, P, self.n_heads, d), kv[0], kv[1]).view(1, N, -1)
+            kv = kv.view(2, self.n_kv, u, P, d).transpose(1, 2)  # [2, u, kv_heads, P, d]
+            self.kv[i, :, :n, :, :P] = kv if rows is None else kv.index_select(1, rows)
+            o = self._prefill_attention(q.view(u, P, self.n_heads, d), kv[0], kv[1]).view(1, N, -1)
             tokens_dynamic(x, o)
             x = self._prefill_post(x, o, self.o[i], self.ln2[i], self.gate_up[i], self.down[i], self.eps)
-        last = x.view(n, P, H)[torch.arange(n, device=ids.device), lengths - 1]  # [n, H]
+        last = x.view(u, P, H)[torch.arange(u, device=ids.device), lengths - 1]  # [u, H]
+        if rows is not None:
+            last = last.index_select(0, rows)  # [n, H]
         self.h[:n] = F.rms_norm(last, (self.hidden_size,), self.norm_w, self.eps)
 
     def _decode_step(
@@ -449,6 +476,7 @@ class StaticEngine:
             self.top_k,
             eos_id,
             pad_id,
+            self.fp64_cdf,
         )
         bounds = row_group_bounds(n, len(widths))
         groups = list(zip(bounds, bounds[1:], widths))  # (first row, end row, Lk) of each group
@@ -588,17 +616,17 @@ class StaticEngine:
         self.captures += 1
         return graph.replay
 
-    def _prefill_or_eager(self, ids: torch.Tensor, lens: torch.Tensor) -> None:
+    def _prefill_or_eager(self, ids: torch.Tensor, lens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """_prefill; a failure of its compiled layer pieces (not out-of-memory) falls back to the eager ones."""
         try:
-            self._prefill(ids, lens)
+            self._prefill(ids, lens, rows)
         except Exception as e:
             if not self._prefill_compiled or _is_oom(e):
                 raise
             self._fall_back("prefill_compile", "torch.compile of the prefill failed; using eager prefill", e)
             self._prefill_pre, self._prefill_post = llama_pre_attention, llama_post_attention
             self._prefill_compiled = False
-            self._prefill(ids, lens)
+            self._prefill(ids, lens, rows)
 
     def _clock(self) -> float:
         if self.timing and self.device.type == "cuda":
@@ -682,12 +710,17 @@ class StaticEngine:
         widths = self._widths(lengths, T, groups)
         step_fns = self._step_fns(settings, n, widths)  # captures before the state is set: warm-up scribbles
 
-        # the state: prompts right-padded (slot = position), extra rows finished from the start
+        # the state: prompts right-padded (slot = position), extra rows finished from the start (one pad token);
+        # each distinct prompt is prefilled once (GRPO's G completions of a prompt share it)
         P = round_up(longest, self.prompt_bucket)
-        ids = torch.full((n, P), pad_id, dtype=torch.long)
-        for i, s in enumerate(prompts):
-            ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
-        ids, lens = ids.to(dev), torch.tensor(lengths, device=dev)
+        distinct, rows = unique_prompts([list(s) for s in prompts] + [[pad_id]] * (n - b))
+        ids = torch.full((len(distinct), P), pad_id, dtype=torch.long)
+        for i, s in enumerate(distinct):
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        ids = ids.to(dev)
+        lens = torch.tensor(lengths, device=dev)
+        distinct_lens = torch.tensor([max(1, len(s)) for s in distinct], device=dev)
+        rows_t = None if len(distinct) == n else torch.tensor(rows, device=dev)
         self.pos0[:n] = lens
         self.finished[:n] = torch.arange(n, device=dev) >= b
         self.step.zero_()
@@ -695,7 +728,7 @@ class StaticEngine:
         self.u[:n].zero_()
         if uniforms is not None:
             rows = slice(None) if order is None else torch.tensor(order, device=uniforms.device)
-            self.u[:b, :T] = uniforms[rows, :T].to(device=dev, dtype=torch.float32)
+            self.u[:b, :T] = uniforms[rows, :T].to(device=dev, dtype=self.u.dtype)
         self.out_tokens[:n].fill_(pad_id)
         self.out_logp[:n].zero_()
         self.out_mask[:n].zero_()
@@ -703,7 +736,7 @@ class StaticEngine:
             self.out_hidden[:n].zero_()
 
         t0 = self._clock()
-        self._prefill_or_eager(ids, lens)
+        self._prefill_or_eager(ids, distinct_lens, rows_t)
         t1 = self._clock()
         steps = 0
         for t in range(T):

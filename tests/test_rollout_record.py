@@ -10,10 +10,10 @@ import report
 
 def test_results_and_first_metrics_row_name_the_rollout_backend(finished_run):
     results = json.loads((finished_run / "results.json").read_text())
-    assert results["rollout_backend"] == "hf"  # the CPU: transformers' generation (generation.generate's "auto")
+    assert results["rollout_backend"] == "static"  # generation.generate's "auto": the engine, on the CPU too
     assert results["rollout_fallbacks"] == []
     rows = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["rollout_backend"] == "hf" and rows[0]["rollout_fallbacks"] == []
+    assert rows[0]["rollout_backend"] == "static" and rows[0]["rollout_fallbacks"] == []
     assert all("rollout_backend" not in r for r in rows[1:])  # the first line only
 
 
