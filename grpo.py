@@ -195,8 +195,10 @@ def validate(args: Args) -> None:
 
 
 # The CPU presets: what this script runs on a machine without a GPU, minutes on 2 cores (runtime.cli: the first is
-# the default model's; a model without its own takes the last). organism: the model organism (organism.py), the test
-# split before and after, paired. TUNING PENDING. smollm2: GSM8K on the packaged SmolLM2-135M, the pipeline only.
+# the default model's; a model without its own takes the last). organism: the model organism (organism.py), which
+# solves some of its problems and not others, so a run shows learning: the test split before and after, paired
+# (docs/organism.md: how the sizes were chosen). smollm2: GSM8K on the packaged SmolLM2-135M, every part of a run
+# small: it shows the pipeline, not the answer (0% either way).
 CPU_SCALE = {
     "organism": dict(
         model="organism", batch_size=32, max_new_tokens=64, total_steps=30, micro_batch_size=256, lr=5e-5,

@@ -216,15 +216,10 @@ def validate(args: Args) -> None:
 
 
 # The CPU presets: what this script runs on a machine without a GPU, minutes on 2 cores (runtime.cli: the first is
-# the default model's; a model without its own takes the last).
-# - organism: the model organism (organism.py), which solves some of its problems and not others, so a run shows
-#   learning: the test split (1,000 problems) before and after training, paired. TUNING PENDING.
-# - smollm2: GSM8K on the packaged SmolLM2-135M, every part of a run (rollouts, update, the critic, two Monte Carlo
-#   measurements, validation, the test), each small: every size reads 0% either way (on 64 test problems [0.0,
-#   5.7], on 32 [0.0, 10.7]). 2026-12-02, 2 idle cores: 6 steps of 96 tokens, K = 8 and 32 + 64 problems at 192
-#   tokens took ~10 minutes (a step ~52 s, a measurement ~55 s, the test ~120 s), so steps, tokens, K and the
-#   evaluation were trimmed to fit (4 steps of 64 tokens, K = 4, 16 + 32 problems at 128 tokens: 308 s; then 3
-#   steps and 96 evaluation tokens).
+# the default model's; a model without its own takes the last). organism: the model organism (organism.py), which
+# solves some of its problems and not others, so a run shows learning: the test split before and after, paired
+# (docs/organism.md: how the sizes were chosen). smollm2: GSM8K on the packaged SmolLM2-135M, every part of a run
+# small: it shows the pipeline, not the answer (0% either way).
 CPU_SCALE = {
     "organism": dict(
         model="organism", batch_size=256, max_new_tokens=64, total_steps=30, micro_batch_size=256, lr=5e-5,

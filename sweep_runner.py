@@ -1,11 +1,10 @@
 """The study's sweep: every run of the plan in sweep.sh, one per plan line and seed, then the report.
 
-Run ./sweep.sh (it passes the plan on stdin), not this file.
-Holds: the options (Args, parsed by tyro) and --help's text, the plan's reading (one run per plan line and seed), each
-run's state (finished, resume or new; a damaged results.json or a run that never saved is set aside, never deleted),
-the matched budget read from a reference run, the launchers (one after another, a pool over GPUs or CPU jobs,
-torchrun, SLURM arrays), the logs and status files, the lock on the sweep's folder, the summary, and the call of
-report.py.
+Run ./sweep.sh (it passes the plan on stdin), not this file. Holds: the options (Args, parsed by tyro) and --help's
+text, the plan's reading (one run per plan line and seed), each run's state (finished, resume or new; a damaged
+results.json or a run that never saved is set aside, never deleted), the matched budget read from a reference run, the
+launchers (one after another, a pool over GPUs or CPU jobs, torchrun, SLURM arrays), the logs and status files, the
+lock on the sweep's folder, the summary, and the call of report.py.
 Does not hold: the experiments or their commands (sweep.sh), any training (the trainers, started as processes),
 the report (report.py). It imports plumbing/rundir.py and plumbing/cmdline.py (no torch) to read results.json, find
 checkpoints and refuse links as the trainers do, and to parse its flags as every script does.
@@ -98,7 +97,7 @@ class Options:
     organism: bool = False  # the study on the model organism, on this CPU
     report_only: bool = False
     preflight: bool = False  # only the preflight
-    preflight_prompts: int = 0  # 0: preflight.py's default (256 on a GPU, 8 on the CPU)
+    preflight_prompts: int = 0  # 0: preflight.py's default (256 on a GPU, 8 on the CPU; --organism's 128)
     force: bool = False  # start the sweep without the preflight
     slurm_task: int | None = None
     budget_from: str = ""  # experiment/name of the run whose tokens and steps fill {tokens} and {steps}
@@ -238,12 +237,10 @@ def parse_args(argv: list[str], experiments: list[str], plan: str = "") -> Optio
     )
     given = cmdline.given_fields(Args, flags)
 
-    o = Options(extra=extra, dry_run=a.dry_run, smoke=a.smoke, report_only=a.report_only, preflight=a.preflight)
-    o.organism = a.organism
-    if o.smoke and o.organism:
-        raise UserError("--smoke and --organism are two different sweeps: give one")
-    if o.organism and ("model" in given or "scale" in given):
-        raise UserError("--organism runs --model organism at --scale cpu: drop --model and --scale")
+    o = Options(extra=extra, dry_run=a.dry_run, smoke=a.smoke, organism=a.organism, report_only=a.report_only)
+    o.preflight = a.preflight
+    if o.organism and (o.smoke or "model" in given or "scale" in given):
+        raise UserError("--organism is its own sweep (--model organism at --scale cpu): drop --smoke, --model, --scale")
     o.force, o.sbatch, o.budget_from, o.slurm_task = a.force, a.sbatch, a.budget_from, a.slurm_task
     for e in a.experiments.split(","):
         if e and e not in experiments:
@@ -272,10 +269,9 @@ def parse_args(argv: list[str], experiments: list[str], plan: str = "") -> Optio
     o.launcher = a.launcher if "launcher" in given or not o.gpus else "gpus"
     if o.launcher != "seq" and "jobs" in given:
         raise UserError("--jobs runs several runs at once on the CPU: it goes with --launcher seq")
-    if a.preflight_prompts is not None:
-        o.preflight_prompts = positive("--preflight-prompts", a.preflight_prompts)
-    elif o.organism:
-        o.preflight_prompts = ORGANISM_PREFLIGHT_PROMPTS
+    prompts = ORGANISM_PREFLIGHT_PROMPTS if a.preflight_prompts is None and o.organism else a.preflight_prompts
+    if prompts is not None:
+        o.preflight_prompts = positive("--preflight-prompts", prompts)
     if o.slurm_task is not None and o.slurm_task < 0:
         raise UserError(f"--slurm-task {o.slurm_task} is not a run of this plan")
     return o
@@ -448,8 +444,8 @@ def run_preflight(o: Options, cmd: list[str], reuse: bool) -> int:
 
 
 def run_env(o: Options) -> dict[str, str]:
-    """A run's (and the preflight's) environment: --smoke's and --organism's on one thread each, unless OMP_NUM_THREADS
-    says otherwise (runs side by side on a small CPU: a second thread a run would spin beside the other run)."""
+    """A run's (and the preflight's) environment: --smoke's and --organism's on one thread, unless OMP_NUM_THREADS
+    says otherwise (two runs side by side on a small CPU: a second thread of one would spin beside the other)."""
     return {**({"OMP_NUM_THREADS": "1"} if o.smoke or o.organism else {}), **os.environ}
 
 

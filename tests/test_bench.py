@@ -368,19 +368,20 @@ def test_default_device_without_a_gpu_is_the_cpu(tmp_path, monkeypatch):
 
 def test_decode_floor_reads_the_row_groups_widths():
     """decode_floor's KV bytes read: with one group every row reads the longest row's chunk; with two row groups
-    the longest eighth (here one row) reads its own width and the other rows theirs (the engine's rows sorted
-    longest first); the valid bytes do not change."""
+    the longest eighth (here two of the 16 rows: the engine takes at least 16 on the CPU, the extra ones holding one
+    token) reads its own width and the other rows theirs (the engine's rows sorted longest first); the valid bytes do
+    not change. The GPU's chunk of 64 slots, given."""
     tok = models.load_tokenizer(models.TINY_MODEL)
     lm = models.load_model(models.TINY_MODEL, tok, seed=0)
     lens, T = [12, 200, 9, 30, 15, 11, 8, 10], 16
     slot = lm.config.num_hidden_layers * 2 * lm.config.num_key_value_heads * lm.config.head_dim * 4  # fp32 bytes
-    one = throughput.decode_floor(static_engine.StaticEngine(lm, row_groups=1), lens, T, ops=100)
-    two = throughput.decode_floor(static_engine.StaticEngine(lm, row_groups=2), lens, T, ops=100)
-    assert one["row_groups"] == 1 and two["row_groups"] == 2
-    assert one["kv_bytes_read"] == pytest.approx(sum(8 * 256 for t in range(T)) / T * slot)  # 200 + t + 1 -> 256
-    assert two["kv_bytes_read"] == pytest.approx(sum(256 + 7 * 64 for t in range(T)) / T * slot)  # 30 + t + 1 -> 64
+    one = throughput.decode_floor(static_engine.StaticEngine(lm, row_groups=1, kv_chunk=64), lens, T, ops=100)
+    two = throughput.decode_floor(static_engine.StaticEngine(lm, row_groups=2, kv_chunk=64), lens, T, ops=100)
+    assert one["row_groups"] == 1 and two["row_groups"] == 2 and one["rows"] == two["rows"] == 16
+    assert one["kv_bytes_read"] == pytest.approx(16 * 256 * slot)  # 200 + t + 1 -> 256, for every row
+    assert two["kv_bytes_read"] == pytest.approx((2 * 256 + 14 * 64) * slot)  # 200 and 30; the rest 15 + t + 1 -> 64
     assert (
         one["kv_bytes_valid"]
         == two["kv_bytes_valid"]
-        == pytest.approx(sum(sum(lens) + 8 * (t + 1) for t in range(T)) / T * slot)
+        == pytest.approx(sum(sum(lens) + 8 + 16 * (t + 1) for t in range(T)) / T * slot)
     )

@@ -213,8 +213,8 @@ def test_critic_lambda_is_an_optional_arm_at_lambda_095(tmp_path):
         (["--bogus"], "Unrecognized options: --bogus"),
         (["--dry-run=yes"], "Unrecognized options: yes"),  # a switch takes no value
         (["--out"], "Missing value for argument '--out'"),
-        (["--organism", "--smoke"], "--smoke and --organism are two different sweeps"),
-        (["--organism", "--model", "tiny"], "--organism runs --model organism at --scale cpu"),
+        (["--organism", "--smoke"], "--organism is its own sweep"),
+        (["--organism", "--model", "tiny"], "drop --smoke, --model, --scale"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_created(tmp_path, args, message):
