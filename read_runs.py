@@ -358,14 +358,16 @@ def run_folders(out: Path) -> list[tuple[str, Path]]:
 
 
 def read_plan(out: Path) -> list[tuple[str, str, Path]]:
-    """sweep.sh's plan.tsv: (experiment, run, folder) of every run the last sweep asked for."""
+    """sweep.sh's plan.tsv: (experiment, run, folder) of every run the last sweep asked for. A folder is written
+    relative to the sweep's (so that the sweep's folder reads the same wherever it is copied); an absolute one (an
+    older sweep's) is read as it is."""
     path = out / "plan.tsv"
     plan = []
     if path.is_file():
         for line in path.read_text().splitlines():
             parts = line.split("\t")
             if len(parts) == 3:
-                plan.append((parts[0], parts[1], Path(parts[2])))
+                plan.append((parts[0], parts[1], out / parts[2]))  # an absolute parts[2] replaces out
     return plan
 
 

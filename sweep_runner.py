@@ -772,7 +772,7 @@ def main(argv: list[str]) -> int:
             submit_slurm(s)
         return 0
     plan_tsv = o.out / "plan.tsv"  # report.py names the planned runs that did not finish
-    plan_tsv.write_text("".join(f"{r.experiment}\t{r.name}\t{r.dir}\n" for r in runs))
+    plan_tsv.write_text("".join(f"{r.experiment}\t{r.name}\t{r.dir.relative_to(o.out)}\n" for r in runs))
     if o.launcher == "slurm":
         submit_slurm(s)
         return 0

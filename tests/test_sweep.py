@@ -78,6 +78,8 @@ def test_the_smoke_sweep_finishes_every_run_and_writes_the_report(smoke):
                 assert res["args"]["scale_rewards"] == ("none" if name == "grpo-group-unscaled" else "group")
             assert res["args"]["model"] == "tiny" and res["scaled_down"] == []
     check_report(out / "report", N_RUNS)
+    plan = [line.split("\t") for line in (out / "plan.tsv").read_text().splitlines()]
+    assert len(plan) == N_RUNS and all(not Path(folder).is_absolute() for _, _, folder in plan)  # copied, it reads
     # the preflight ran first (the toy task passes it) and opens the report; every measurement counts its signal
     # (a cold cache's one-time GGUF conversion notice may come before it: the tiny model borrows SmolLM2's tokenizer)
     lines = [x for x in proc.stdout.splitlines() if not x.startswith(("converting ", "the cached conversion "))]
