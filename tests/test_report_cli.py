@@ -155,7 +155,9 @@ def test_the_plan_is_read_relative_to_the_sweeps_folder_wherever_it_is(tmp_path)
 
     out = tmp_path / "moved"
     out.mkdir()
-    (out / "plan.tsv").write_text("h2h\tgrpo-group\th2h/grpo-group-s1\ncritic\tppo-none\t/elsewhere/critic/ppo-none-s1\n")
+    (out / "plan.tsv").write_text(
+        "h2h\tgrpo-group\th2h/grpo-group-s1\ncritic\tppo-none\t/elsewhere/critic/ppo-none-s1\n"
+    )
     assert read_runs.read_plan(out) == [
         ("h2h", "grpo-group", out / "h2h" / "grpo-group-s1"),
         ("critic", "ppo-none", Path("/elsewhere/critic/ppo-none-s1")),
