@@ -226,7 +226,7 @@ def run_seconds(s: dict[str, Any], method: str, critic: str, steps: int, eval_ev
     n_evals = ((steps - 1) // eval_every if eval_every else 0) + 1
     val = -(-st["eval_size"] // st["eval_batch_size"]) * decode(st["eval_batch_size"], st["eval_max_new_tokens"])
     test = -(-GSM8K_TEST // st["eval_batch_size"]) * decode(st["eval_batch_size"], st["eval_max_new_tokens"])
-    out["evaluations"] = n_evals * val + test
+    out["evaluations"] = n_evals * val + (2 if st.get("test_before", True) else 1) * test  # before and after
     return out
 
 

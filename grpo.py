@@ -67,9 +67,10 @@ class Args:
     """--track: the W&B team or user; None: your own"""
 
     # --- model and data ---
-    # qwen2.5-0.5b from the hub; organism: a 0.6M-parameter Qwen2 of multi-step arithmetic, the CPU preset's (organism.py,
-    # built once into the cache); smollm2: the packaged SmolLM2-135M-Instruct GGUF (it shows the pipeline on GSM8K, not
-    # the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a folder or .gguf
+    # qwen2.5-0.5b from the hub; organism: a 0.6M-parameter Qwen2 of multi-step arithmetic, the CPU preset's
+    # (organism.py, built once into the cache); smollm2: the packaged SmolLM2-135M-Instruct GGUF (it shows the
+    # pipeline on GSM8K, not the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a
+    # folder or .gguf
     model: str = "qwen2.5-0.5b"
     """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, organism (built here), smollm2 (packaged), tiny, hub id or path"""
     prompt_format: Literal["chat", "question", "plain"] = "chat"
@@ -197,8 +198,8 @@ def validate(args: Args) -> None:
 # The CPU presets: what this script runs on a machine without a GPU, minutes on 2 cores (runtime.cli: the first is
 # the default model's; a model without its own takes the last). organism: the model organism (organism.py), which
 # solves some of its problems and not others, so a run shows learning: the test split before and after, paired
-# (docs/organism.md: how the sizes were chosen). smollm2: GSM8K on the packaged SmolLM2-135M, every part of a run
-# small: it shows the pipeline, not the answer (0% either way).
+# (docs/organism/README.md: how the sizes were chosen). smollm2: GSM8K on the packaged SmolLM2-135M, every part of a
+# run small: it shows the pipeline, not the answer (0% either way).
 CPU_SCALE = {
     "organism": dict(
         model="organism", batch_size=32, max_new_tokens=64, total_steps=30, micro_batch_size=256, lr=5e-5,

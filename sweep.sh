@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # sweep.sh: the study's plan. Each line below is one run per seed: its experiment, its name (the run's folder is
 # OUT/<experiment>/<name>-s<seed>) and the trainer command. sweep_runner.py adds to every command --run-dir,
-# --seed, --model (when given; else the trainers' scale picks it: qwen2.5-0.5b at study, smollm2 at cpu), --scale,
+# --seed, --model (when given; else the trainers' scale picks it: qwen2.5-0.5b at study, the organism at cpu), --scale,
 # --no-progress and the flags given after `--`; it schedules the runs (one after another,
 # a pool over GPUs or CPU jobs, torchrun, or SLURM arrays), skips finished runs, resumes interrupted ones, sets a
 # damaged results.json aside, records failures, and writes the report (report.py) at the end.

@@ -44,7 +44,7 @@ class Args:
     seeds: str = "1,2,3"
     """comma-separated seeds (--smoke: 1 unless given)"""
     model: str | None = None
-    """the trainers' --model; None: their scale's, qwen2.5-0.5b at study (as on a GPU), the packaged smollm2 at cpu"""
+    """the trainers' --model; None: their scale's, qwen2.5-0.5b at study (as on a GPU), the model organism at cpu"""
     scale: Literal["auto", "study", "cpu"] = "auto"
     """the trainers' --scale (--smoke: study, whose sizes its flags set)"""
     out: Path = Path("runs/sweep")
@@ -85,7 +85,7 @@ class Options:
 
     experiments: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
-    model: str = ""  # "": the trainers' scale picks it (study: qwen2.5-0.5b; cpu: smollm2)
+    model: str = ""  # "": the trainers' scale picks it (study: qwen2.5-0.5b; cpu: the organism)
     scale: str = "auto"
     out: Path = Path("runs/sweep")
     launcher: str = "seq"
@@ -239,8 +239,8 @@ def parse_args(argv: list[str], experiments: list[str], plan: str = "") -> Optio
 
     o = Options(extra=extra, dry_run=a.dry_run, smoke=a.smoke, organism=a.organism, report_only=a.report_only)
     o.preflight = a.preflight
-    if o.organism and (o.smoke or "model" in given or "scale" in given):
-        raise UserError("--organism is its own sweep (--model organism at --scale cpu): drop --smoke, --model, --scale")
+    if o.organism and (o.smoke or given & {"model", "scale", "gpus", "launcher"}):
+        raise UserError("--organism is its own sweep, on this CPU: drop --smoke, --model, --scale, --gpus, --launcher")
     o.force, o.sbatch, o.budget_from, o.slurm_task = a.force, a.sbatch, a.budget_from, a.slurm_task
     for e in a.experiments.split(","):
         if e and e not in experiments:

@@ -232,20 +232,25 @@ def test_rollout_logprobs_equal_the_training_forward(built):
 
 
 @pytest.fixture(scope="module")
-def small_cache(tmp_path_factory):
-    """RLVR_CACHE in a folder of the module's, and the cached organism a seconds-long one (models.ORGANISM_FLAGS)."""
-    cache = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RLVR_CACHE", str(cache))
-        mp.setattr(models, "ORGANISM_FLAGS", [*flags(**TINY_FLAGS), "--no-progress"])
-        mp.setattr(models, "_ORGANISM_CHECKED", set())
-        yield cache
+def small_cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")  # the module's tests share its build
 
 
-def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_cache, capfd):
+@pytest.fixture
+def small_cache(small_cache_dir, monkeypatch):
+    """RLVR_CACHE in the module's folder and the cached organism a seconds-long one (models.ORGANISM_FLAGS), for one
+    test: the real organism's tests, later in this process, see the real cache."""
+    monkeypatch.setenv("RLVR_CACHE", str(small_cache_dir))
+    monkeypatch.setattr(models, "ORGANISM_FLAGS", [*flags(**TINY_FLAGS), "--no-progress"])
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    return small_cache_dir
+
+
+def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_cache, tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path))  # a cache of its own: built here, whatever ran before
     folder = models.organism_folder()
     assert "building the organism once" in capfd.readouterr().out
-    assert folder.parent == small_cache and models.resolve_model("organism") == folder / "model"
+    assert folder.parent == tmp_path and models.resolve_model("organism") == folder / "model"
     models._ORGANISM_CHECKED.clear()  # a new process: its files checked again, not rebuilt
     assert models.organism_folder() == folder and "building" not in capfd.readouterr().out
     weights = folder / "model" / "model.safetensors"
@@ -254,7 +259,7 @@ def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_
     assert models.organism_folder() == folder
     said = capfd.readouterr().out
     assert "is damaged (model/model.safetensors is not the file that was built" in said and "building it again" in said
-    assert models.organism_damage(folder) is None and len(list(small_cache.glob("organism-*.damaged-*"))) == 1
+    assert models.organism_damage(folder) is None and len(list(tmp_path.glob("organism-*.damaged-*"))) == 1
 
 
 @pytest.mark.slow
@@ -330,8 +335,8 @@ def test_grpo_on_the_organism_raises_test_accuracy_with_a_paired_interval_above_
     proc = run_here("grpo.py", cli(run, base=sizes))
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = check_results(run, steps=12)
+    assert results["organism"]["settings"]["hidden"] == organism.Args().hidden  # the real one, not a test's
     before, after = results["test_before"]["correct"], results["test"]["correct"]
-
     diff, lo, hi = intervals.paired_difference(after, before)  # the trainer's own last lines say the same
     said = f"{results['test_before']['accuracy']} -> {results['test']['accuracy']}: {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
     assert lo > 0, f"test accuracy {said}"

@@ -165,7 +165,7 @@ def test_dry_run_shows_the_budget_once_the_reference_run_exists(smoke, tmp_path)
     assert proc.stdout.count(f"--token-budget {budget} ") == 8
 
 
-def test_the_organism_study_is_the_plan_on_the_organism_two_runs_at_once_each_on_one_thread(tmp_path):
+def test_the_organism_study_is_the_plan_on_the_organism_two_runs_at_once_each_on_one_thread(tmp_path, monkeypatch):
     """--organism: every run of the default experiments on --model organism at --scale cpu (the trainers' organism
     presets), seeds 1, 2, 3, two jobs, the preflight on its own prompt count; the folder runs/organism unless given."""
     out = tmp_path / "out"
@@ -178,9 +178,12 @@ def test_the_organism_study_is_the_plan_on_the_organism_two_runs_at_once_each_on
     check_ok(pre)
     assert f"--prompts {sweep_runner.ORGANISM_PREFLIGHT_PROMPTS} " in pre.stdout and "--model organism" in pre.stdout
     o = sweep_runner.parse_args(["--organism", "--default-experiments", "h2h,critic"], ["h2h", "critic", "labels"])
-    assert (o.model, o.scale, o.jobs, o.seeds) == ("organism", "cpu", min(2, os.cpu_count()), [1, 2, 3])
+    assert (o.model, o.scale, o.jobs, o.seeds) == ("organism", "cpu", min(2, len(os.sched_getaffinity(0))), [1, 2, 3])
     assert o.out == Path("runs/organism").absolute()
-    assert sweep_runner.run_env(o)["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert sweep_runner.run_env(o)["OMP_NUM_THREADS"] == "1"  # each run on one thread
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert sweep_runner.run_env(o)["OMP_NUM_THREADS"] == "2"  # unless the environment says otherwise
 
 
 def test_critic_lambda_is_an_optional_arm_at_lambda_095(tmp_path):
@@ -216,7 +219,8 @@ def test_critic_lambda_is_an_optional_arm_at_lambda_095(tmp_path):
         (["--dry-run=yes"], "Unrecognized options: yes"),  # a switch takes no value
         (["--out"], "Missing value for argument '--out'"),
         (["--organism", "--smoke"], "--organism is its own sweep"),
-        (["--organism", "--model", "tiny"], "drop --smoke, --model, --scale"),
+        (["--organism", "--model", "tiny"], "drop --smoke, --model, --scale, --gpus, --launcher"),
+        (["--organism", "--gpus", "2"], "--organism is its own sweep, on this CPU"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_created(tmp_path, args, message):
