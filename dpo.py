@@ -447,7 +447,7 @@ def main() -> None:
     # ==================================================================================================
     # TRY NOT TO MODIFY: the loop: each step's method (ALGO LOGIC), then its evaluation, metrics and checkpoint
     # ==================================================================================================
-    if args.test_before and args.total_steps > 0 and test_before is None:  # a resume has the checkpoint's
+    if args.test_before and args.total_steps > 0 and counters["step"] == 0 and test_before is None:
         before = run_eval("test", args.test_size)
         test_before = {k: before[k] for k in ("accuracy", "ci95", "n", "correct")}
     show = dist_.main and args.progress

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -274,7 +275,9 @@ def test_two_ranks_equal_one_process(tmp_path, data_dir, ppo_single, name):
         )
         check_ok(single)
     check_ok(proc)
-    assert proc.stdout.count("test accuracy") == 1, "rank 0 alone reports"
+    # rank 0 alone reports: one final line, and one line pairing it with the test before training
+    assert len(re.findall(r"^test accuracy \S+% ", proc.stdout, re.M)) == 1, proc.stdout[-2000:]
+    assert proc.stdout.count("test accuracy before training") == 1, proc.stdout[-2000:]
     assert_same_weights(one, two)
     assert_same_curve(one, two)
     res_a, res_b = (json.loads((d / "results.json").read_text()) for d in (one, two))

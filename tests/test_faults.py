@@ -205,7 +205,8 @@ def _untimed(rows: list[dict]) -> list[dict]:
 
 def _results(run_dir: Path) -> dict:
     r = json.loads((run_dir / "results.json").read_text())
-    return {"test": {k: r["test"][k] for k in ("accuracy", "n", "correct")}, "val": r["val"]["correct"]}
+    test = {k: r["test"][k] for k in ("accuracy", "n", "correct")}
+    return {"test": test, "val": r["val"]["correct"], "test_before": r["test_before"]}
 
 
 @pytest.fixture(scope="module")
@@ -219,9 +220,10 @@ def straight_run(tmp_path_factory):
 @pytest.mark.parametrize(
     "where, nth, during",
     [
-        ("evaluate", 1, "an evaluation"),  # the validation at step 2
-        ("evaluate", 2, "an evaluation"),  # the final validation
-        ("evaluate", 3, "an evaluation"),  # the final test
+        ("evaluate", 1, "an evaluation"),  # the test before training, before any checkpoint
+        ("evaluate", 2, "an evaluation"),  # the validation at step 2
+        ("evaluate", 3, "an evaluation"),  # the final validation
+        ("evaluate", 4, "an evaluation"),  # the final test
         ("monte_carlo", 2, "the Monte Carlo measurement"),  # at step 2 (the first is at step 0)
         ("save_checkpoint", 1, None),  # the save after step 1: the run stops then, not a step later
     ],
@@ -240,10 +242,18 @@ def test_a_stop_signal_anywhere_stops_at_once_and_resume_redoes_only_what_is_mis
         assert "stopped by SIGTERM after step 1" in proc.stdout, proc.stdout[-2000:]
         assert json.loads((run_dir / "checkpoint" / "state.json").read_text())["counters"]["step"] == 1
     else:
-        assert f"stopped by SIGTERM during {during}" in proc.stdout and "--resume" in proc.stdout, proc.stdout[-2000:]
+        assert f"stopped by SIGTERM during {during}" in proc.stdout, proc.stdout[-2000:]
+    saved = (run_dir / checkpoint.CHECKPOINT).exists()
+    if where == "evaluate" and nth == 1:  # the test before training: nothing to resume from, and it says so
+        assert not saved and "nothing was saved; run the same command again" in proc.stdout, proc.stdout[-2000:]
+    else:
+        assert saved and "--resume" in proc.stdout, proc.stdout[-2000:]
     assert not (run_dir / "results.json").exists()
     monkeypatch.undo()
-    check_ok(run_here("ppo.py", cli(run_dir, **STOPPED_RUN, resume=True)))
+    redone = _signal_on_call(monkeypatch, gsm8k, "evaluate", 0)  # counts the resumed run's evaluations
+    check_ok(run_here("ppo.py", cli(run_dir, **STOPPED_RUN, **({"resume": True} if saved else {}))))
+    if where == "save_checkpoint":  # stopped after step 1: the validation at step 2, the final validation and test
+        assert redone["calls"] == 3, "the resume evaluated the test split before training again"
     rows, results = straight_run
     assert _untimed(read_metrics(run_dir)) == _untimed(rows), "a row is missing, changed or logged twice"
     assert _results(run_dir) == results
