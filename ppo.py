@@ -337,7 +337,7 @@ def main() -> None:
         banner = {
             "model": f"{args.model} ({distributed.count_params(policy):,} parameters)",
             **banner,
-            "data": f"{data} ({gsm8k.resolve_data_dir(args.data_dir, args.model) or 'hub'}), task {args.task}",
+            "data": f"{data} ({data_used['folder']}), task {args.task}",
             "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
         }
         print(logs.describe_run(METHOD.upper(), args, dist_, banner, scaled), flush=True)

@@ -263,4 +263,5 @@ def device_description(device: torch.device, world: int) -> str:
     """'1 x NVIDIA H200' or '2 x cpu (2 cores)': the hardware a results.json was measured on."""
     if device.type == "cuda":
         return f"{world} x {torch.cuda.get_device_name(device)}"
-    return f"{world} x cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"{world} x cpu ({os.cpu_count()} cores, {threads} thread{'s' if threads != 1 else ''})"

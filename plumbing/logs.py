@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import textwrap
@@ -49,7 +50,7 @@ def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scal
     wrap = dict(width=BANNER_WIDTH, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
     lines = [f"== {title} ==", f"device: {dist_.device} x {dist_.world} process(es), dtype: {dtype_name(dist_.device)}"]
     lines += [textwrap.fill(f"{k}: {v}", **wrap) for k, v in extra.items()]
-    if f"model {type(args)().model} -> {ORGANISM}" in scaled:  # the CPU preset chose the organism: say so first
+    if args.model == ORGANISM and any(s.startswith("model ") for s in scaled):  # the CPU preset chose it: say so
         lines.insert(
             1, f"no GPU: the model organism (organism.py, arithmetic in GSM8K's format), not GSM8K; {ON_GSM8K}"
         )
@@ -244,12 +245,19 @@ def write_results(
     write_json_atomic(run_dir / "results.json", results)
     acc = accuracy_text(test)
     before = fields.get("test_before")
-    if before and before.get("n") == test["n"] and test["n"]:
+    if before and before.get("n") != test["n"]:  # a resume with another --test-size: not the same problems
+        print(
+            f"test accuracy before training {accuracy_text(before)} on {before.get('n')} problems, after {acc} on "
+            f"{test['n']}: not paired (--test-size changed on resume)",
+            flush=True,
+        )
+    elif before and test["n"]:
         diff, d_lo, d_hi = intervals.paired_difference(test["correct"], before["correct"])
         changed = sum(a != b for a, b in zip(test["correct"], before["correct"]))
+        ci = "(no interval)" if math.isnan(d_lo) else f"[{100 * d_lo:+.1f}, {100 * d_hi:+.1f}]"
         print(
             f"test accuracy before training {accuracy_text(before)}, after {acc}: paired difference "
-            f"{100 * diff:+.1f} points [{100 * d_lo:+.1f}, {100 * d_hi:+.1f}] ({changed} problems changed answer)",
+            f"{100 * diff:+.1f} points {ci} ({changed} problems changed answer)",
             flush=True,
         )
     print(

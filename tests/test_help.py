@@ -136,6 +136,17 @@ def test_the_banner_shows_every_setting_once_grouped_as_args_and_within_120_colu
     assert scaled and all(any(change in line for line in lines) for change in scaled), scaled
 
 
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
+def test_the_banner_says_no_gpu_the_organism_only_when_the_cpu_preset_chose_it(script, monkeypatch):
+    """Without a GPU and without --model the preset runs the organism, and the banner's second line says so; a
+    --model organism given, or another model, prints no such line (the user chose it)."""
+    chosen = banner_of(script, ["--total-steps", "1"], monkeypatch)[0].splitlines()
+    assert chosen[1].startswith("no GPU: the model organism"), chosen[:3]
+    for flags in (["--model", "organism"], ["--model", "tiny"]):
+        text = banner_of(script, ["--total-steps", "1", *flags], monkeypatch)[0]
+        assert "no GPU: the model organism" not in text, flags
+
+
 def test_the_checks_catch_a_phrase_broken_by_a_docstring_and_a_second_default():
     """The help as tyro printed --model before (its docstring's own line break) and --run-dir (two defaults)."""
     text = (

@@ -467,3 +467,40 @@ def test_mc_rollouts_from_state_t_write_and_count_at_most_t_minus_t_tokens(monke
     assert used == sum(min(n, T - t) for t, n in rows) <= k * sum(budgets)
     assert generated == sum(n for _, n in rows) >= used
     assert any(n > T - t for t, n in rows), "some rollout ran past its state's budget and was cut"
+
+
+# ------------------------------------------------------------------------------------------------------
+# The line a run ends with: the test before and after training, paired only over the same problems
+# ------------------------------------------------------------------------------------------------------
+
+
+def _evaluation(correct: list[int]) -> dict:
+    n = len(correct)
+    return {"accuracy": sum(correct) / n, "ci95": list(intervals.wilson_interval(sum(correct), n)), "n": n,
+            "correct": correct}  # fmt: skip
+
+
+def _ending(tmp_path, capsys, before: dict, after: dict) -> str:
+    from plumbing import logs
+
+    logs.write_results(tmp_path, {"steps": 3, "test_before": before}, after, torch.device("cpu"), 1)
+    return capsys.readouterr().out
+
+
+def test_the_paired_line_pairs_the_same_problems_and_says_when_it_cannot(tmp_path, capsys):
+    before, after = _evaluation([0, 0, 1, 0, 1, 0]), _evaluation([1, 0, 1, 1, 1, 0])
+    out = _ending(tmp_path, capsys, before, after)
+    assert "paired difference +33.3 points [" in out and "(2 problems changed answer)" in out, out
+    same = _ending(tmp_path, capsys, before, before)  # nothing changed: a zero difference with no interval
+    assert "paired difference +0.0 points (no interval) (0 problems changed answer)" in same, same
+    resized = _ending(tmp_path, capsys, _evaluation([0, 1, 1, 0]), after)  # --test-size changed on resume
+    assert "not paired (--test-size changed on resume)" in resized and "paired difference" not in resized, resized
+    assert "on 4 problems, after" in resized and resized.splitlines()[-1].startswith("test accuracy 66.7% ")
+
+
+def test_the_hardware_line_counts_threads_in_words(monkeypatch):
+    from plumbing.distributed import device_description
+
+    for n, words in ((1, "1 thread)"), (2, "2 threads)")):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
+        assert device_description(torch.device("cpu"), 1).endswith(words)
