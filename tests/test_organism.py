@@ -246,11 +246,24 @@ def small_cache(small_cache_dir, monkeypatch):
     return small_cache_dir
 
 
+def dead_pid() -> int:
+    """The pid of a process that has ended: a killed build's, in the name of the folder it left."""
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_cache, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path))  # a cache of its own: built here, whatever ran before
-    folder = models.organism_folder()
+    folder = models.organism_cache_folder()
+    stale = folder.with_name(f"{folder.name}.tmp-{dead_pid()}")
+    (stale / "model").mkdir(parents=True)  # a build killed before its rename
+    assert not folder.exists() and folder.parent == tmp_path  # named, not built
+    assert models.organism_folder() == folder
     assert "building the organism once" in capfd.readouterr().out
-    assert folder.parent == tmp_path and models.resolve_model("organism") == folder / "model"
+    assert not stale.exists() and models.resolve_model("organism") == folder / "model"
     models._ORGANISM_CHECKED.clear()  # a new process: its files checked again, not rebuilt
     assert models.organism_folder() == folder and "building" not in capfd.readouterr().out
     weights = folder / "model" / "model.safetensors"
@@ -260,6 +273,74 @@ def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_
     said = capfd.readouterr().out
     assert "is damaged (model/model.safetensors is not the file that was built" in said and "building it again" in said
     assert models.organism_damage(folder) is None and len(list(tmp_path.glob("organism-*.damaged-*"))) == 1
+    assert not list(tmp_path.glob("organism-*.tmp-*"))
+
+
+def test_a_failed_build_is_one_error_and_leaves_no_folder(small_cache, tmp_path, monkeypatch, capfd):
+    """organism.py refuses its flags: the trainer says so in one line (organism.py's own is above it), and the cache
+    holds no organism, no temporary folder, and not the stale ones of a killed build (removed before building)."""
+    from helpers import cli
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RLVR_CACHE", str(cache))
+    monkeypatch.setattr(models, "ORGANISM_FLAGS", [*flags(**{**TINY_FLAGS, "hidden": 30, "heads": 4}), "--no-progress"])
+    folder = models.organism_cache_folder()
+    killed = folder.with_name(f"{folder.name}.tmp-{dead_pid()}")
+    for left in (killed, killed.with_name(f"{killed.name}.tmp-{dead_pid()}")):  # its organism.py's own too
+        (left / "model").mkdir(parents=True)
+    proc = run_here("grpo.py", cli(tmp_path / "run", base=dict(model="organism", total_steps=1)))
+    assert proc.returncode == 2
+    assert "building the organism failed (organism.py exited 2" in check_one_error_line(proc)
+    assert "--hidden 30 must be a multiple of --heads 4" in capfd.readouterr().err
+    assert not list(cache.glob("organism-*")) and not (tmp_path / "run").exists()
+
+
+FAKE_BUILD = """
+import os, signal, sys, time
+from pathlib import Path
+
+out, log = Path(sys.argv[sys.argv.index("--out") + 1]), Path(sys.argv[0]).with_suffix(".log")
+signal.signal(signal.SIGTERM, lambda *_: (log.write_text(log.read_text() + "terminated"), sys.exit(1)))
+(out.with_name(f"{out.name}.tmp-{os.getpid()}") / "model").mkdir(parents=True)  # as organism.py writes its own
+log.write_text(" ".join(sys.argv[1:]) + "\\n")
+time.sleep(120)
+"""
+
+
+def test_a_build_stopped_while_it_runs_terminates_organism_py_and_leaves_no_folder(tmp_path, monkeypatch):
+    """Ctrl-C while organism.py builds (any exception while it is waited for): the build is terminated (SIGTERM, so
+    that it can clean up, not SIGKILL), the interrupt goes on, and no folder is left. organism.py writes into
+    FOLDER.tmp-PID, and without a progress bar when stderr is not a terminal."""
+    import os
+    import subprocess
+    import time
+
+    script, log = tmp_path / "organism.py", tmp_path / "organism.log"
+    script.write_text(FAKE_BUILD)
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "ORGANISM_SCRIPT", script)
+    monkeypatch.setattr(models, "ORGANISM_FLAGS", [])
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    started: list[subprocess.Popen] = []
+
+    class Interrupted(subprocess.Popen):  # Ctrl-C while the build is waited for
+        def wait(self, timeout=None):
+            if timeout is not None or self in started:
+                return super().wait(timeout)
+            started.append(self)
+            deadline = time.time() + 60
+            while not log.is_file() and time.time() < deadline:
+                time.sleep(0.02)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess, "Popen", Interrupted)
+    folder = models.organism_cache_folder()
+    with pytest.raises(KeyboardInterrupt):
+        models.organism_folder()
+    assert started and started[0].returncode == 1  # ended by its SIGTERM handler, not killed
+    said = log.read_text()
+    assert said.startswith(f"--out {folder}.tmp-{os.getpid()} --seed 0 --no-progress") and "terminated" in said
+    assert not list((tmp_path / "cache").glob("organism-*"))
 
 
 @pytest.mark.slow
