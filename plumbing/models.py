@@ -4,7 +4,7 @@ Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAME
 resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
 again); load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
 request, so that an offline machine goes straight to the caches; gsm8k.py asks it too); the tiny configs ("tiny",
-"tiny-qwen2"); the organism's build in the cache (organism_folder: built once, checked);
+"tiny-qwen2"); the organism's build in the cache (organism_folder: built once, checked; organism_info, its record);
 the memory check a generation batch must pass before the model loads (check_generation_memory, from the model's
 config).
 Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (distributed.py), checkpoints
@@ -153,8 +153,13 @@ ORGANISM_SEED = 0  # the cached organism's seed, whatever a run's --seed: every 
 ORGANISM_FLAGS: list[str] = []  # organism.py's flags beyond --seed: none, its defaults (the tests build a small one)
 ORGANISM_SCRIPT = Path(__file__).resolve().parents[1] / "organism.py"
 ORGANISM_RECORD = "organism.json"  # written last by organism.py: its settings, report and the sha256 of its files
+ORGANISM_FILES = (  # the files organism.json's sha256 must name: the model, its tokenizer, the task's splits
+    "model/config.json", "model/generation_config.json", "model/model.safetensors", "model/tokenizer.json",
+    "model/tokenizer_config.json", "data/train.jsonl", "data/test.jsonl",
+)  # fmt: skip
 BUILD_STOP_SECONDS = 5.0  # a terminated build's time to end before it is killed
 _ORGANISM_CHECKED: set[Path] = set()  # folders whose files this process has checked against their sha256
+_ORGANISM_INFO: dict[Path, dict[str, Any]] = {}  # folder -> its organism.json, read once per process
 
 
 def organism_cache_folder() -> Path:
@@ -182,18 +187,24 @@ def organism_folder() -> Path:
             os.rename(folder, aside)
             print(f"the cached organism {folder} is damaged ({why}); moved to {aside}, building it again", flush=True)
         if not folder.exists():
+            _ORGANISM_INFO.pop(folder, None)
             _build_organism(folder)
     _ORGANISM_CHECKED.add(folder)
     return folder
 
 
 def organism_damage(folder: Path) -> str | None:
-    """Why the organism's folder cannot be used (a file missing, or its sha256 not the one recorded), or None."""
+    """Why the organism's folder cannot be used (its record unreadable or naming too few files, a file missing, or
+    its sha256 not the one recorded), or None."""
     try:
         record = json.loads((folder / ORGANISM_RECORD).read_text())
         files = record["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{ORGANISM_RECORD} unreadable: {type(e).__name__}"
+    if not isinstance(files, dict):
+        return f"{ORGANISM_RECORD}'s sha256 is a {type(files).__name__}, not a file -> sha256 mapping"
+    if unnamed := [name for name in ORGANISM_FILES if name not in files]:
+        return f"{ORGANISM_RECORD}'s sha256 does not name {', '.join(unnamed)}"
     for name, digest in files.items():
         try:
             if file_sha256(folder / name) != digest:
@@ -246,8 +257,12 @@ def _build_organism(folder: Path) -> None:
 
 
 def organism_info() -> dict[str, Any]:
-    """The built organism's organism.json: its settings, alphabet, report and the sha256 of its weights and data."""
-    return json.loads((organism_folder() / ORGANISM_RECORD).read_text())
+    """The built organism's organism.json: its settings, alphabet, report, the prompt it was trained to read and the
+    sha256 of its weights and data. Read once per process and folder (the same dict each call: not to be changed)."""
+    folder = organism_folder()
+    if folder not in _ORGANISM_INFO:
+        _ORGANISM_INFO[folder] = json.loads((folder / ORGANISM_RECORD).read_text())
+    return _ORGANISM_INFO[folder]
 
 
 def organism_record(name: str) -> dict[str, Any]:
@@ -467,10 +482,13 @@ def check_generation_memory(
     """A rough check before the model loads: each generation batch, {flags: (sequences, new tokens)}, needs its
     KV cache (2 x layers x KV heads x head dim per token) and one step of logits (the vocabulary per sequence);
     a batch that would not fit the device's memory is refused with the estimate. A hub model that cannot be
-    fetched is refused here, before anything is written; other failures pass (loading the model reports them).
-    Made again once the data is read, with its longest prompt (recheck_generation_memory)."""
+    fetched is refused here, before anything is written; other failures pass (loading the model reports them). The
+    organism, not built yet, passes without its build (minutes, after the run folder's refusals). Made again once
+    the data is read, with its longest prompt (recheck_generation_memory)."""
     global _MEMORY_CHECKED
     _MEMORY_CHECKED = (model, device, batches)
+    if model == ORGANISM and not organism_cache_folder().is_dir():
+        return  # not built yet: ~0.6M parameters never fill a device, and the refusals before its build come first
     try:
         config = _model_config(model)
     except UserError:

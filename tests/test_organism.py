@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,22 @@ def test_the_folder_loads_with_plain_transformers_and_its_record_holds(built):
     assert model.config.max_position_embeddings >= longest + record["report"]["max_new_tokens"]
 
 
+@pytest.mark.parametrize("missing", [("model/tokenizer.json",), ("data/test.jsonl",), models.ORGANISM_FILES])
+def test_a_record_that_does_not_name_every_file_is_damage(built, tmp_path, missing):
+    """organism.json's sha256 names every file the trainers read (a file it leaves out would go unchecked): a record
+    that leaves one out, or holds no mapping, is damage, said in words."""
+    folder = tmp_path / "org"
+    shutil.copytree(built, folder)
+    record = json.loads((folder / "organism.json").read_text())
+    files = record["sha256"]
+    (folder / "organism.json").write_text(
+        json.dumps({**record, "sha256": {k: files[k] for k in files if k not in missing}})
+    )
+    assert models.organism_damage(folder) == f"organism.json's sha256 does not name {', '.join(missing)}"
+    (folder / "organism.json").write_text(json.dumps({**record, "sha256": sorted(files.items())}))
+    assert models.organism_damage(folder) == "organism.json's sha256 is a list, not a file -> sha256 mapping"
+
+
 def test_the_loss_falls_in_a_seconds_long_fine_tuning(built):
     from transformers import AutoModelForCausalLM
 
@@ -264,6 +281,7 @@ def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_
     assert models.organism_folder() == folder
     assert "building the organism once" in capfd.readouterr().out
     assert not stale.exists() and models.resolve_model("organism") == folder / "model"
+    info = models.organism_info()
     models._ORGANISM_CHECKED.clear()  # a new process: its files checked again, not rebuilt
     assert models.organism_folder() == folder and "building" not in capfd.readouterr().out
     weights = folder / "model" / "model.safetensors"
@@ -273,7 +291,7 @@ def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_
     said = capfd.readouterr().out
     assert "is damaged (model/model.safetensors is not the file that was built" in said and "building it again" in said
     assert models.organism_damage(folder) is None and len(list(tmp_path.glob("organism-*.damaged-*"))) == 1
-    assert not list(tmp_path.glob("organism-*.tmp-*"))
+    assert models.organism_info() is not info and not list(tmp_path.glob("organism-*.tmp-*"))  # the new build's record
 
 
 def test_a_failed_build_is_one_error_and_leaves_no_folder(small_cache, tmp_path, monkeypatch, capfd):
@@ -343,6 +361,20 @@ def test_a_build_stopped_while_it_runs_terminates_organism_py_and_leaves_no_fold
     assert not list((tmp_path / "cache").glob("organism-*"))
 
 
+def test_organism_info_is_read_once_per_folder(tmp_path, monkeypatch):
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for i, folder in enumerate(folders):
+        folder.mkdir()
+        (folder / "organism.json").write_text(json.dumps({"settings": {"seed": i}}))
+    monkeypatch.setattr(models, "_ORGANISM_INFO", {})
+    monkeypatch.setattr(models, "organism_folder", lambda: folders[0])
+    info = models.organism_info()
+    (folders[0] / "organism.json").write_text("{}")  # not read again
+    assert models.organism_info() is info and info == {"settings": {"seed": 0}}
+    monkeypatch.setattr(models, "organism_folder", lambda: folders[1])
+    assert models.organism_info() == {"settings": {"seed": 1}}
+
+
 @pytest.mark.slow
 def test_processes_that_start_together_build_the_organism_once(tmp_path):
     """Two processes (a sweep's jobs, torchrun's ranks) ask for the organism at once: one builds, the other waits on
@@ -385,6 +417,20 @@ def test_a_run_on_the_organism_reads_its_task_and_records_it(small_cache, tmp_pa
     assert before["n"] == after["n"] == 8 and len(before["correct"]) == 8
     assert "test accuracy before training" in proc.stdout and "paired difference" in proc.stdout
     assert "the organism's task: train" in proc.stdout
+
+
+def test_a_refused_run_on_the_organism_builds_nothing(small_cache, tmp_path, monkeypatch):
+    """The run folder's refusals come before the organism's build (minutes): the memory check before them passes the
+    organism unbuilt."""
+    from helpers import cli
+
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps({"test": {}}))  # another command's finished run
+    proc = run_here("grpo.py", cli(run, base=dict(model="organism", total_steps=1)))
+    assert proc.returncode == 2 and "already holds a run" in check_one_error_line(proc)
+    assert "building" not in proc.stdout and not list((tmp_path / "cache").glob("organism-*"))
 
 
 def test_gsm8k_through_data_dir_is_outside_the_organisms_vocabulary(small_cache, tmp_path, gsm8k_dir):
