@@ -174,6 +174,10 @@ def test_the_folder_loads_with_plain_transformers_and_its_record_holds(built):
     record = json.loads((built / "organism.json").read_text())
     assert models.organism_damage(built) is None  # every file's sha256 as recorded
     assert record["settings"]["hidden"] == 32 and record["report"]["test_n"] == 100
+    first = json.loads((built / "data" / "test.jsonl").open().readline())["question"]
+    project = models.load_tokenizer(str(built / "model"))  # as the trainers load it
+    assert record["prompt"] == {"question": first, "ids": gsm8k.encode_prompt(project, first, "question")}
+    assert set(models.ORGANISM_FILES) <= set(record["sha256"])
     assert set(record["alphabet"]) == set("0123456789 +-=?#\nWhatis")
     longest = max(len(json.loads(line)["question"]) for line in (built / "data" / "test.jsonl").open()) + 3
     assert model.config.max_position_embeddings >= longest + record["report"]["max_new_tokens"]
@@ -193,6 +197,23 @@ def test_a_record_that_does_not_name_every_file_is_damage(built, tmp_path, missi
     assert models.organism_damage(folder) == f"organism.json's sha256 does not name {', '.join(missing)}"
     (folder / "organism.json").write_text(json.dumps({**record, "sha256": sorted(files.items())}))
     assert models.organism_damage(folder) == "organism.json's sha256 is a list, not a file -> sha256 mapping"
+
+
+def test_a_build_stopped_while_writing_its_folder_leaves_none(tmp_path, monkeypatch):
+    """Ctrl-C (or a full disk) while organism.py writes its folder: the half-written temporary folder goes too."""
+    from helpers import run_in_process
+
+    write = organism.write_jsonl
+
+    def interrupted(path: Path, rows: list) -> None:
+        write(path, rows)
+        if path.name == "test.jsonl":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(organism, "write_jsonl", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_in_process("organism.py", [*flags(out=tmp_path / "org", **TINY_FLAGS), "--no-progress"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_loss_falls_in_a_seconds_long_fine_tuning(built):
