@@ -18,7 +18,7 @@ from helpers import check_one_error_line, run_here
 import gsm8k
 import intervals
 import organism
-from plumbing import forward, generation, models, rollout
+from plumbing import errors, forward, generation, models, rollout
 
 # a seconds-long build: its numbers mean nothing, its files are the real ones' shape
 TINY_FLAGS = dict(
@@ -152,6 +152,43 @@ def test_the_prompt_ids_are_plain_apply_chat_template_of_the_question(built):
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         assert gsm8k.encode_prompt(project, q, "question") == list(ids)
         assert plain.decode(ids) == f"<|user|>{q}<|im_end|><|assistant|>"
+
+
+def reading_case() -> tuple[dict, object, dict]:
+    """Splits of the organism's task, its tokenizer, and the record of the prompt it reads (organism.json's)."""
+    tok = organism.make_tokenizer()
+    train, test, _ = organism.make_splits(organism.Args(**TINY_FLAGS))
+    splits = {"train": organism.as_problems(train[:20]), "test": organism.as_problems(test[:20])}
+    q, alphabet = test[0][0], "".join(sorted(set("".join(q + a for q, a in train + test))))
+    info = {"alphabet": alphabet, "prompt": {"question": q, "ids": gsm8k.encode_prompt(tok, q, "question")}}
+    return splits, tok, info
+
+
+def test_the_organism_reads_its_prompts_as_recorded_and_an_older_record_skips_the_ids():
+    splits, tok, info = reading_case()
+    gsm8k.check_organism_reading(splits, tok, "question", info)
+    gsm8k.check_organism_reading(splits, tok, "question", {"alphabet": info["alphabet"]})  # an older build's record
+
+
+@pytest.mark.parametrize("prompt_format", ["chat", "plain"])
+def test_the_organism_refuses_a_prompt_format_other_than_the_question_alone(prompt_format):
+    splits, tok, info = reading_case()
+    with pytest.raises(errors.UserError, match=f"--prompt-format {prompt_format}: the organism learned the question"):
+        gsm8k.check_organism_reading(splits, tok, prompt_format, info)
+
+
+def test_the_organism_refuses_a_tokenizer_that_reads_otherwise_and_data_outside_its_alphabet():
+    splits, tok, info = reading_case()
+    ids = info["prompt"]["ids"]
+    other = {**info, "prompt": {**info["prompt"], "ids": ids[:5] + [ids[5] + 1] + ids[6:]}}
+    with pytest.raises(errors.UserError, match="does not read as the organism was trained") as e:
+        gsm8k.check_organism_reading(splits, tok, "question", other)
+    assert "from position 5" in str(e.value) and "\n" not in str(e.value)
+    shorter = {**info, "prompt": {**info["prompt"], "ids": ids[:-1]}}
+    with pytest.raises(errors.UserError, match="does not read as the organism was trained"):
+        gsm8k.check_organism_reading(splits, tok, "question", shorter)
+    with pytest.raises(errors.UserError, match="outside the organism's vocabulary"):
+        gsm8k.check_organism_reading(splits, tok, "question", {**info, "alphabet": info["alphabet"].replace("7", "")})
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -461,6 +498,17 @@ def test_gsm8k_through_data_dir_is_outside_the_organisms_vocabulary(small_cache,
     assert proc.returncode == 2
     line = check_one_error_line(proc)
     assert "train.jsonl:1:" in line and "outside the organism's vocabulary" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_on_the_organism_refuses_the_chat_prompt(small_cache, tmp_path):
+    from helpers import cli
+
+    proc = run_here(
+        "grpo.py", cli(tmp_path / "run", base=dict(model="organism", total_steps=1, val_size=50), prompt_format="chat")
+    )
+    assert proc.returncode == 2
+    assert "--prompt-format chat: the organism learned the question alone" in check_one_error_line(proc)
     assert not (tmp_path / "run").exists()
 
 
