@@ -106,10 +106,10 @@ def check_prompt_lengths(
     """The longest prompt of every split, in tokens (the few longest questions by UTF-8 bytes tokenised: a byte
     -level tokenizer never gives more tokens than bytes). A prompt that with max_new_tokens exceeds the model's
     context is refused naming its file and line; the memory estimate made before loading is made again with
-    the longest prompt in place of models.PROMPT_TOKENS. The organism's data are checked against its alphabet
-    first (check_alphabet). Returns the longest prompt's length."""
+    the longest prompt in place of models.PROMPT_TOKENS. The organism's prompts are checked first
+    (check_organism_reading). Returns the longest prompt's length."""
     if model == models.ORGANISM:
-        check_alphabet(splits, set(models.organism_info()["alphabet"]))
+        check_organism_reading(splits, tokenizer, prompt_format, models.organism_info())
     try:
         context = models._model_config(model).max_position_embeddings
     except Exception:  # an unknown model or config: loading the model reports it
@@ -127,6 +127,30 @@ def check_prompt_lengths(
         )
     models.recheck_generation_memory(longest)
     return longest
+
+
+def check_organism_reading(
+    splits: dict[str, list[Problem]], tokenizer: Any, prompt_format: str, info: dict[str, Any]
+) -> None:
+    """The organism reads the run's prompts as it was trained to, or the run is refused in one line: the question
+    alone through its chat template (--prompt-format question), the characters of its own task (check_alphabet),
+    and the tokenizer loaded giving the ids its build recorded for a question (info: its organism.json; a record
+    without "prompt", an older build's, skips that check)."""
+    if prompt_format != "question":
+        raise errors.UserError(
+            f"--prompt-format {prompt_format}: the organism learned the question alone through its chat template "
+            "(--prompt-format question, its default): drop --prompt-format"
+        )
+    check_alphabet(splits, set(info["alphabet"]))
+    if "prompt" in info:
+        question, ids = info["prompt"]["question"], info["prompt"]["ids"]
+        if (got := encode_prompt(tokenizer, question, "question")) != ids:
+            at = next((i for i, (a, b) in enumerate(zip(got, ids)) if a != b), min(len(got), len(ids)))
+            raise errors.UserError(
+                f"the tokenizer loaded does not read as the organism was trained: its prompt of {question!r} has ids "
+                f"{got[at : at + 4]} from position {at}, where the build recorded {ids[at : at + 4]} (built with "
+                f"another transformers or tokenizers?); remove {models.organism_cache_folder()} to build it again"
+            )
 
 
 def check_alphabet(splits: dict[str, list[Problem]], alphabet: set[str]) -> None:

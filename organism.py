@@ -24,7 +24,8 @@ What it does, in order:
      the target;
   4. the report: greedy accuracy on the test split, and on --report-problems of them --samples samples each at T = 1:
      the pass rate and the informative share (solved by some samples, not all); OUT/organism.json records them with
-     the settings, the alphabet and the sha256 of every file.
+     the settings, the alphabet, the prompt it reads (the first test question and its ids: a tokenizer that reads
+     otherwise is refused) and the sha256 of every file. A build stopped while writing its folder leaves none.
 
 Simplifications: no dropout, no weight decay, a constant learning rate after warmup (the stop ends it, not a schedule).
 """
@@ -32,7 +33,6 @@ Simplifications: no dropout, no weight decay, a constant learning rate after war
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -272,10 +272,6 @@ def pass_rates(model: Any, tok: Any, probs: list[gsm8k.Problem], k: int, max_new
     return [sum(rewards[j * k : (j + 1) * k]) / k for j in range(len(probs))]
 
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def main() -> None:
     args = cmdline.parse_args(Args)
     validate(args)
@@ -344,20 +340,26 @@ def main() -> None:
     }  # fmt: skip
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "data").mkdir(parents=True)
-    write_jsonl(tmp / "data" / "train.jsonl", train)
-    write_jsonl(tmp / "data" / "test.jsonl", test)
-    model.save_pretrained(tmp / "model")
-    tok.save_pretrained(tmp / "model")
-    files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
-    record = {
-        "settings": settings,
-        "alphabet": "".join(sorted(set("".join(q + a for q, a in train + test)))),
-        "report": report,
-        "sha256": {f: sha256(tmp / f) for f in files},
-    }
-    (tmp / models.ORGANISM_RECORD).write_text(json.dumps(record, indent=1) + "\n")
-    os.rename(tmp, out)
+    try:  # stopped or failed while writing (Ctrl-C, a full disk): no half-written folder left behind
+        (tmp / "data").mkdir(parents=True)
+        write_jsonl(tmp / "data" / "train.jsonl", train)
+        write_jsonl(tmp / "data" / "test.jsonl", test)
+        model.save_pretrained(tmp / "model")
+        tok.save_pretrained(tmp / "model")
+        files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+        question = test[0][0]  # the prompt it reads, as ids: a tokenizer that reads otherwise is refused (gsm8k.py)
+        record = {
+            "settings": settings,
+            "alphabet": "".join(sorted(set("".join(q + a for q, a in train + test)))),
+            "prompt": {"question": question, "ids": gsm8k.encode_prompt(tok, question, "question")},
+            "report": report,
+            "sha256": {f: models.file_sha256(tmp / f) for f in files},
+        }
+        (tmp / models.ORGANISM_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     lo, hi = test_res["ci95"]
     print(
         f"organism: {step} steps in {report['seconds']:.0f} s; held-out greedy {100 * held:.1f}%; test greedy "

@@ -4,8 +4,9 @@ Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAME
 resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
 again); load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
 request, so that an offline machine goes straight to the caches; gsm8k.py asks it too); the tiny configs ("tiny",
-"tiny-qwen2"); the memory check a generation batch must pass before the model loads (check_generation_memory,
-from the model's config).
+"tiny-qwen2"); the organism's build in the cache (organism_folder: built once, checked; organism_info, its record);
+the memory check a generation batch must pass before the model loads (check_generation_memory, from the model's
+config).
 Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (distributed.py), checkpoints
 (checkpoint.py), generation or the training forward (generation.py, forward.py).
 Imports only errors.py.
@@ -152,41 +153,58 @@ ORGANISM_SEED = 0  # the cached organism's seed, whatever a run's --seed: every 
 ORGANISM_FLAGS: list[str] = []  # organism.py's flags beyond --seed: none, its defaults (the tests build a small one)
 ORGANISM_SCRIPT = Path(__file__).resolve().parents[1] / "organism.py"
 ORGANISM_RECORD = "organism.json"  # written last by organism.py: its settings, report and the sha256 of its files
+ORGANISM_FILES = (  # the files organism.json's sha256 must name: the model, its tokenizer, the task's splits
+    "model/config.json", "model/generation_config.json", "model/model.safetensors", "model/tokenizer.json",
+    "model/tokenizer_config.json", "data/train.jsonl", "data/test.jsonl",
+)  # fmt: skip
+BUILD_STOP_SECONDS = 5.0  # a terminated build's time to end before it is killed
 _ORGANISM_CHECKED: set[Path] = set()  # folders whose files this process has checked against their sha256
+_ORGANISM_INFO: dict[Path, dict[str, Any]] = {}  # folder -> its organism.json, read once per process
+
+
+def organism_cache_folder() -> Path:
+    """Where the organism's build is cached (it may not be built yet): the folder's name carries a hash of
+    organism.py, its seed and its flags, so that a changed script builds anew."""
+    build = f"|seed {ORGANISM_SEED}|{' '.join(ORGANISM_FLAGS)}".encode()
+    key = hashlib.sha256(ORGANISM_SCRIPT.read_bytes() + build).hexdigest()[:12]
+    return cache_root() / f"organism-{key}"
 
 
 def organism_folder() -> Path:
-    """The organism's folder in the cache (model/, data/, organism.json), built on first use: organism.py run once
-    with its own seed (ORGANISM_SEED), in a new process, into a temporary folder renamed into place. The folder's
-    name carries the script's hash, so a changed script builds anew. Processes that start together (a sweep's
-    jobs, torchrun's ranks) build it once: the others wait on a lock. Its files are checked against the sha256
-    that organism.json records, once per process; a damaged build is moved aside, said in one line, and built
-    again."""
-    build = f"|seed {ORGANISM_SEED}|{' '.join(ORGANISM_FLAGS)}".encode()
-    key = hashlib.sha256(ORGANISM_SCRIPT.read_bytes() + build).hexdigest()[:12]
-    folder = cache_root() / f"organism-{key}"
+    """The organism's folder in the cache (model/, data/, organism.json; organism_cache_folder), built on first
+    use: organism.py run once with its own seed (ORGANISM_SEED), in a new process, into a temporary folder renamed
+    into place. Processes that start together (a sweep's jobs, torchrun's ranks) build it once: the others wait on
+    a lock. Its files are checked against the sha256 that organism.json records, once per process; a damaged build
+    is moved aside, said in one line, and built again."""
+    folder = organism_cache_folder()
     if folder in _ORGANISM_CHECKED:
         return folder
     cache_root().mkdir(parents=True, exist_ok=True)
-    with open(cache_root() / f".organism-{key}.lock", "a") as lock:
+    with open(cache_root() / f".{folder.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
         if folder.exists() and (why := organism_damage(folder)) is not None:
             aside = folder.with_name(f"{folder.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
             os.rename(folder, aside)
             print(f"the cached organism {folder} is damaged ({why}); moved to {aside}, building it again", flush=True)
         if not folder.exists():
+            _ORGANISM_INFO.pop(folder, None)
             _build_organism(folder)
     _ORGANISM_CHECKED.add(folder)
     return folder
 
 
 def organism_damage(folder: Path) -> str | None:
-    """Why the organism's folder cannot be used (a file missing, or its sha256 not the one recorded), or None."""
+    """Why the organism's folder cannot be used (its record unreadable or naming too few files, a file missing, or
+    its sha256 not the one recorded), or None."""
     try:
         record = json.loads((folder / ORGANISM_RECORD).read_text())
         files = record["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{ORGANISM_RECORD} unreadable: {type(e).__name__}"
+    if not isinstance(files, dict):
+        return f"{ORGANISM_RECORD}'s sha256 is a {type(files).__name__}, not a file -> sha256 mapping"
+    if unnamed := [name for name in ORGANISM_FILES if name not in files]:
+        return f"{ORGANISM_RECORD}'s sha256 does not name {', '.join(unnamed)}"
     for name, digest in files.items():
         try:
             if file_sha256(folder / name) != digest:
@@ -205,23 +223,46 @@ def file_sha256(path: Path) -> str:
 
 
 def _build_organism(folder: Path) -> None:
+    """organism.py into FOLDER.tmp-PID, renamed to folder. Called under the build's lock: any other FOLDER.tmp-*
+    is a killed build's (and organism.py's own FOLDER.tmp-PID.tmp-PID), removed first. Stopped while it builds (any
+    exception while waiting: Ctrl-C's KeyboardInterrupt), the build is terminated, killed if it has not ended within
+    a few seconds, and leaves no folder; a process killed outright (SIGKILL, or SIGTERM before a trainer's stop
+    signal is installed) leaves organism.py running, and its folder to the next build."""
+    for stale in folder.parent.glob(f"{folder.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"building the organism once (organism.py --seed {ORGANISM_SEED}, a few minutes); cached in {folder}",
           flush=True)  # fmt: skip
     command = [sys.executable, str(ORGANISM_SCRIPT), "--out", str(tmp), "--seed", str(ORGANISM_SEED), *ORGANISM_FLAGS]
+    if not sys.stderr.isatty() and "--no-progress" not in ORGANISM_FLAGS:
+        command.append("--no-progress")  # no progress bar's redraws in a log
     try:
-        code = subprocess.call(command)
+        proc = subprocess.Popen(command)
+        try:
+            code = proc.wait()
+        except BaseException:
+            proc.terminate()
+            try:
+                proc.wait(timeout=BUILD_STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
         if code != 0:
             raise UserError(f"building the organism failed (organism.py exited {code}; its output is above)")
         os.rename(tmp, folder)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for left in (tmp, *folder.parent.glob(f"{tmp.name}.tmp-*")):
+            shutil.rmtree(left, ignore_errors=True)
 
 
 def organism_info() -> dict[str, Any]:
-    """The built organism's organism.json: its settings, alphabet, report and the sha256 of its weights and data."""
-    return json.loads((organism_folder() / ORGANISM_RECORD).read_text())
+    """The built organism's organism.json: its settings, alphabet, report, the prompt it was trained to read and the
+    sha256 of its weights and data. Read once per process and folder (the same dict each call: not to be changed)."""
+    folder = organism_folder()
+    if folder not in _ORGANISM_INFO:
+        _ORGANISM_INFO[folder] = json.loads((folder / ORGANISM_RECORD).read_text())
+    return _ORGANISM_INFO[folder]
 
 
 def organism_record(name: str) -> dict[str, Any]:
@@ -441,10 +482,13 @@ def check_generation_memory(
     """A rough check before the model loads: each generation batch, {flags: (sequences, new tokens)}, needs its
     KV cache (2 x layers x KV heads x head dim per token) and one step of logits (the vocabulary per sequence);
     a batch that would not fit the device's memory is refused with the estimate. A hub model that cannot be
-    fetched is refused here, before anything is written; other failures pass (loading the model reports them).
-    Made again once the data is read, with its longest prompt (recheck_generation_memory)."""
+    fetched is refused here, before anything is written; other failures pass (loading the model reports them). The
+    organism, not built yet, passes without its build (minutes, after the run folder's refusals). Made again once
+    the data is read, with its longest prompt (recheck_generation_memory)."""
     global _MEMORY_CHECKED
     _MEMORY_CHECKED = (model, device, batches)
+    if model == ORGANISM and not organism_cache_folder().is_dir():
+        return  # not built yet: ~0.6M parameters never fill a device, and the refusals before its build come first
     try:
         config = _model_config(model)
     except UserError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from helpers import check_one_error_line, run_here
 import gsm8k
 import intervals
 import organism
-from plumbing import forward, generation, models, rollout
+from plumbing import errors, forward, generation, models, rollout
 
 # a seconds-long build: its numbers mean nothing, its files are the real ones' shape
 TINY_FLAGS = dict(
@@ -153,6 +154,43 @@ def test_the_prompt_ids_are_plain_apply_chat_template_of_the_question(built):
         assert plain.decode(ids) == f"<|user|>{q}<|im_end|><|assistant|>"
 
 
+def reading_case() -> tuple[dict, object, dict]:
+    """Splits of the organism's task, its tokenizer, and the record of the prompt it reads (organism.json's)."""
+    tok = organism.make_tokenizer()
+    train, test, _ = organism.make_splits(organism.Args(**TINY_FLAGS))
+    splits = {"train": organism.as_problems(train[:20]), "test": organism.as_problems(test[:20])}
+    q, alphabet = test[0][0], "".join(sorted(set("".join(q + a for q, a in train + test))))
+    info = {"alphabet": alphabet, "prompt": {"question": q, "ids": gsm8k.encode_prompt(tok, q, "question")}}
+    return splits, tok, info
+
+
+def test_the_organism_reads_its_prompts_as_recorded_and_an_older_record_skips_the_ids():
+    splits, tok, info = reading_case()
+    gsm8k.check_organism_reading(splits, tok, "question", info)
+    gsm8k.check_organism_reading(splits, tok, "question", {"alphabet": info["alphabet"]})  # an older build's record
+
+
+@pytest.mark.parametrize("prompt_format", ["chat", "plain"])
+def test_the_organism_refuses_a_prompt_format_other_than_the_question_alone(prompt_format):
+    splits, tok, info = reading_case()
+    with pytest.raises(errors.UserError, match=f"--prompt-format {prompt_format}: the organism learned the question"):
+        gsm8k.check_organism_reading(splits, tok, prompt_format, info)
+
+
+def test_the_organism_refuses_a_tokenizer_that_reads_otherwise_and_data_outside_its_alphabet():
+    splits, tok, info = reading_case()
+    ids = info["prompt"]["ids"]
+    other = {**info, "prompt": {**info["prompt"], "ids": ids[:5] + [ids[5] + 1] + ids[6:]}}
+    with pytest.raises(errors.UserError, match="does not read as the organism was trained") as e:
+        gsm8k.check_organism_reading(splits, tok, "question", other)
+    assert "from position 5" in str(e.value) and "\n" not in str(e.value)
+    shorter = {**info, "prompt": {**info["prompt"], "ids": ids[:-1]}}
+    with pytest.raises(errors.UserError, match="does not read as the organism was trained"):
+        gsm8k.check_organism_reading(splits, tok, "question", shorter)
+    with pytest.raises(errors.UserError, match="outside the organism's vocabulary"):
+        gsm8k.check_organism_reading(splits, tok, "question", {**info, "alphabet": info["alphabet"].replace("7", "")})
+
+
 # ------------------------------------------------------------------------------------------------------
 # 3. the model and its folder
 # ------------------------------------------------------------------------------------------------------
@@ -173,9 +211,46 @@ def test_the_folder_loads_with_plain_transformers_and_its_record_holds(built):
     record = json.loads((built / "organism.json").read_text())
     assert models.organism_damage(built) is None  # every file's sha256 as recorded
     assert record["settings"]["hidden"] == 32 and record["report"]["test_n"] == 100
+    first = json.loads((built / "data" / "test.jsonl").open().readline())["question"]
+    project = models.load_tokenizer(str(built / "model"))  # as the trainers load it
+    assert record["prompt"] == {"question": first, "ids": gsm8k.encode_prompt(project, first, "question")}
+    assert set(models.ORGANISM_FILES) <= set(record["sha256"])
     assert set(record["alphabet"]) == set("0123456789 +-=?#\nWhatis")
     longest = max(len(json.loads(line)["question"]) for line in (built / "data" / "test.jsonl").open()) + 3
     assert model.config.max_position_embeddings >= longest + record["report"]["max_new_tokens"]
+
+
+@pytest.mark.parametrize("missing", [("model/tokenizer.json",), ("data/test.jsonl",), models.ORGANISM_FILES])
+def test_a_record_that_does_not_name_every_file_is_damage(built, tmp_path, missing):
+    """organism.json's sha256 names every file the trainers read (a file it leaves out would go unchecked): a record
+    that leaves one out, or holds no mapping, is damage, said in words."""
+    folder = tmp_path / "org"
+    shutil.copytree(built, folder)
+    record = json.loads((folder / "organism.json").read_text())
+    files = record["sha256"]
+    (folder / "organism.json").write_text(
+        json.dumps({**record, "sha256": {k: files[k] for k in files if k not in missing}})
+    )
+    assert models.organism_damage(folder) == f"organism.json's sha256 does not name {', '.join(missing)}"
+    (folder / "organism.json").write_text(json.dumps({**record, "sha256": sorted(files.items())}))
+    assert models.organism_damage(folder) == "organism.json's sha256 is a list, not a file -> sha256 mapping"
+
+
+def test_a_build_stopped_while_writing_its_folder_leaves_none(tmp_path, monkeypatch):
+    """Ctrl-C (or a full disk) while organism.py writes its folder: the half-written temporary folder goes too."""
+    from helpers import run_in_process
+
+    write = organism.write_jsonl
+
+    def interrupted(path: Path, rows: list) -> None:
+        write(path, rows)
+        if path.name == "test.jsonl":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(organism, "write_jsonl", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_in_process("organism.py", [*flags(out=tmp_path / "org", **TINY_FLAGS), "--no-progress"])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_loss_falls_in_a_seconds_long_fine_tuning(built):
@@ -246,11 +321,25 @@ def small_cache(small_cache_dir, monkeypatch):
     return small_cache_dir
 
 
+def dead_pid() -> int:
+    """The pid of a process that has ended: a killed build's, in the name of the folder it left."""
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_cache, tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path))  # a cache of its own: built here, whatever ran before
-    folder = models.organism_folder()
+    folder = models.organism_cache_folder()
+    stale = folder.with_name(f"{folder.name}.tmp-{dead_pid()}")
+    (stale / "model").mkdir(parents=True)  # a build killed before its rename
+    assert not folder.exists() and folder.parent == tmp_path  # named, not built
+    assert models.organism_folder() == folder
     assert "building the organism once" in capfd.readouterr().out
-    assert folder.parent == tmp_path and models.resolve_model("organism") == folder / "model"
+    assert not stale.exists() and models.resolve_model("organism") == folder / "model"
+    info = models.organism_info()
     models._ORGANISM_CHECKED.clear()  # a new process: its files checked again, not rebuilt
     assert models.organism_folder() == folder and "building" not in capfd.readouterr().out
     weights = folder / "model" / "model.safetensors"
@@ -260,6 +349,88 @@ def test_the_organism_is_built_once_into_the_cache_and_again_when_damaged(small_
     said = capfd.readouterr().out
     assert "is damaged (model/model.safetensors is not the file that was built" in said and "building it again" in said
     assert models.organism_damage(folder) is None and len(list(tmp_path.glob("organism-*.damaged-*"))) == 1
+    assert models.organism_info() is not info and not list(tmp_path.glob("organism-*.tmp-*"))  # the new build's record
+
+
+def test_a_failed_build_is_one_error_and_leaves_no_folder(small_cache, tmp_path, monkeypatch, capfd):
+    """organism.py refuses its flags: the trainer says so in one line (organism.py's own is above it), and the cache
+    holds no organism, no temporary folder, and not the stale ones of a killed build (removed before building)."""
+    from helpers import cli
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("RLVR_CACHE", str(cache))
+    monkeypatch.setattr(models, "ORGANISM_FLAGS", [*flags(**{**TINY_FLAGS, "hidden": 30, "heads": 4}), "--no-progress"])
+    folder = models.organism_cache_folder()
+    killed = folder.with_name(f"{folder.name}.tmp-{dead_pid()}")
+    for left in (killed, killed.with_name(f"{killed.name}.tmp-{dead_pid()}")):  # its organism.py's own too
+        (left / "model").mkdir(parents=True)
+    proc = run_here("grpo.py", cli(tmp_path / "run", base=dict(model="organism", total_steps=1)))
+    assert proc.returncode == 2
+    assert "building the organism failed (organism.py exited 2" in check_one_error_line(proc)
+    assert "--hidden 30 must be a multiple of --heads 4" in capfd.readouterr().err
+    assert not list(cache.glob("organism-*")) and not (tmp_path / "run").exists()
+
+
+FAKE_BUILD = """
+import os, signal, sys, time
+from pathlib import Path
+
+out, log = Path(sys.argv[sys.argv.index("--out") + 1]), Path(sys.argv[0]).with_suffix(".log")
+signal.signal(signal.SIGTERM, lambda *_: (log.write_text(log.read_text() + "terminated"), sys.exit(1)))
+(out.with_name(f"{out.name}.tmp-{os.getpid()}") / "model").mkdir(parents=True)  # as organism.py writes its own
+log.write_text(" ".join(sys.argv[1:]) + "\\n")
+time.sleep(120)
+"""
+
+
+def test_a_build_stopped_while_it_runs_terminates_organism_py_and_leaves_no_folder(tmp_path, monkeypatch):
+    """Ctrl-C while organism.py builds (any exception while it is waited for): the build is terminated (SIGTERM, so
+    that it can clean up, not SIGKILL), the interrupt goes on, and no folder is left. organism.py writes into
+    FOLDER.tmp-PID, and without a progress bar when stderr is not a terminal."""
+    import os
+    import subprocess
+    import time
+
+    script, log = tmp_path / "organism.py", tmp_path / "organism.log"
+    script.write_text(FAKE_BUILD)
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "ORGANISM_SCRIPT", script)
+    monkeypatch.setattr(models, "ORGANISM_FLAGS", [])
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    started: list[subprocess.Popen] = []
+
+    class Interrupted(subprocess.Popen):  # Ctrl-C while the build is waited for
+        def wait(self, timeout=None):
+            if timeout is not None or self in started:
+                return super().wait(timeout)
+            started.append(self)
+            deadline = time.time() + 60
+            while not log.is_file() and time.time() < deadline:
+                time.sleep(0.02)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess, "Popen", Interrupted)
+    folder = models.organism_cache_folder()
+    with pytest.raises(KeyboardInterrupt):
+        models.organism_folder()
+    assert started and started[0].returncode == 1  # ended by its SIGTERM handler, not killed
+    said = log.read_text()
+    assert said.startswith(f"--out {folder}.tmp-{os.getpid()} --seed 0 --no-progress") and "terminated" in said
+    assert not list((tmp_path / "cache").glob("organism-*"))
+
+
+def test_organism_info_is_read_once_per_folder(tmp_path, monkeypatch):
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for i, folder in enumerate(folders):
+        folder.mkdir()
+        (folder / "organism.json").write_text(json.dumps({"settings": {"seed": i}}))
+    monkeypatch.setattr(models, "_ORGANISM_INFO", {})
+    monkeypatch.setattr(models, "organism_folder", lambda: folders[0])
+    info = models.organism_info()
+    (folders[0] / "organism.json").write_text("{}")  # not read again
+    assert models.organism_info() is info and info == {"settings": {"seed": 0}}
+    monkeypatch.setattr(models, "organism_folder", lambda: folders[1])
+    assert models.organism_info() == {"settings": {"seed": 1}}
 
 
 @pytest.mark.slow
@@ -306,6 +477,20 @@ def test_a_run_on_the_organism_reads_its_task_and_records_it(small_cache, tmp_pa
     assert "the organism's task: train" in proc.stdout
 
 
+def test_a_refused_run_on_the_organism_builds_nothing(small_cache, tmp_path, monkeypatch):
+    """The run folder's refusals come before the organism's build (minutes): the memory check before them passes the
+    organism unbuilt."""
+    from helpers import cli
+
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps({"test": {}}))  # another command's finished run
+    proc = run_here("grpo.py", cli(run, base=dict(model="organism", total_steps=1)))
+    assert proc.returncode == 2 and "already holds a run" in check_one_error_line(proc)
+    assert "building" not in proc.stdout and not list((tmp_path / "cache").glob("organism-*"))
+
+
 def test_gsm8k_through_data_dir_is_outside_the_organisms_vocabulary(small_cache, tmp_path, gsm8k_dir):
     from helpers import cli
 
@@ -313,6 +498,17 @@ def test_gsm8k_through_data_dir_is_outside_the_organisms_vocabulary(small_cache,
     assert proc.returncode == 2
     line = check_one_error_line(proc)
     assert "train.jsonl:1:" in line and "outside the organism's vocabulary" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_on_the_organism_refuses_the_chat_prompt(small_cache, tmp_path):
+    from helpers import cli
+
+    proc = run_here(
+        "grpo.py", cli(tmp_path / "run", base=dict(model="organism", total_steps=1, val_size=50), prompt_format="chat")
+    )
+    assert proc.returncode == 2
+    assert "--prompt-format chat: the organism learned the question alone" in check_one_error_line(proc)
     assert not (tmp_path / "run").exists()
 
 
