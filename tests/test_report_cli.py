@@ -162,3 +162,21 @@ def test_the_plan_is_read_relative_to_the_sweeps_folder_wherever_it_is(tmp_path)
         ("h2h", "grpo-group", out / "h2h" / "grpo-group-s1"),
         ("critic", "ppo-none", Path("/elsewhere/critic/ppo-none-s1")),
     ]
+
+
+def test_the_committed_organism_study_gives_its_committed_report(tmp_path, monkeypatch):
+    """docs/organism holds the whole organism study (every run's results.json and metrics.jsonl, the plan, the
+    preflight) and its report: report.py on it writes the same report.md and summary.csv, from the project root on
+    any machine (the report's one "Written by" line carries the clock time)."""
+    root = Path(__file__).resolve().parents[1]
+    study = root / "docs" / "organism"
+    assert len(list(study.glob("*/*-s[123]/results.json"))) == 54, "the 18 runs x 3 seeds, every one finished"
+    assert not list(study.rglob("checkpoint")), "no checkpoints committed"
+    monkeypatch.chdir(root)  # the report's title names the folder as given: from the project root, as documented
+    check_ok(run_here("report.py", [str(study.relative_to(root)), "--report-dir", str(tmp_path)]))
+
+    def text(folder: Path) -> list[str]:
+        return [line for line in (folder / "report.md").read_text().splitlines() if not line.startswith("Written by")]
+
+    assert text(tmp_path) == text(study / "report")
+    assert (tmp_path / "summary.csv").read_text() == (study / "report" / "summary.csv").read_text()
