@@ -223,13 +223,12 @@ def file_sha256(path: Path) -> str:
 
 
 def _build_organism(folder: Path) -> None:
-    """organism.py into FOLDER.tmp-PID, renamed to folder. Called under the build's lock: any other FOLDER.tmp-*
-    is a killed build's (and organism.py's own FOLDER.tmp-PID.tmp-PID), removed first. Stopped while it builds (any
+    """organism.py into FOLDER.tmp-PID, renamed to folder. Called under the build's lock: any FOLDER.tmp-* is a
+    killed build's, removed before and after (_remove_unfinished_builds). Stopped while it builds (any
     exception while waiting: Ctrl-C's KeyboardInterrupt), the build is terminated, killed if it has not ended within
     a few seconds, and leaves no folder; a process killed outright (SIGKILL, or SIGTERM before a trainer's stop
     signal is installed) leaves organism.py running, and its folder to the next build."""
-    for stale in folder.parent.glob(f"{folder.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_unfinished_builds(folder)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     print(f"building the organism once (organism.py --seed {ORGANISM_SEED}, a few minutes); cached in {folder}",
           flush=True)  # fmt: skip
@@ -252,8 +251,14 @@ def _build_organism(folder: Path) -> None:
             raise UserError(f"building the organism failed (organism.py exited {code}; its output is above)")
         os.rename(tmp, folder)
     finally:
-        for left in (tmp, *folder.parent.glob(f"{tmp.name}.tmp-*")):
-            shutil.rmtree(left, ignore_errors=True)
+        _remove_unfinished_builds(folder)  # ours, and organism.py's own inside its name
+
+
+def _remove_unfinished_builds(folder: Path) -> None:
+    """Every FOLDER.tmp-* (a build's folder before its rename, and organism.py's FOLDER.tmp-PID.tmp-PID). Called
+    under the build's lock, where none of them is a live build's."""
+    for left in folder.parent.glob(f"{folder.name}.tmp-*"):
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def organism_info() -> dict[str, Any]:
