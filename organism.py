@@ -4,10 +4,14 @@ The study's question needs a model that solves some problems and not others (0 <
 packaged SmolLM2-135M solves almost nothing of GSM8K. So, as biologists do, this builds a small organism that can
 answer, on a task whose files are GSM8K's: the same schema, answers written as GSM8K writes them (worked steps on
 lines, then "#### N"), read by the same gsm8k.py (splits, fingerprint, the strict reward, evaluation). The trainers
-take it as `--model organism`: plumbing/models.py runs this script once, with its own seed, into the project's cache.
+take it as `--model organism`. The repository ships this script's build of seed 0 (organism-seed0/, the one the study in
+docs/organism ran on: a build is the same bit for bit on one machine, not on every machine, and a shipped one starts
+every machine from the same weights); plumbing/models.py copies it into the project's cache, or, when this file is not
+the one that made it, runs this script once, with its own seed.
 
     python organism.py --out runs/organism            # OUT/model (a Hugging Face folder), OUT/data, OUT/organism.json
     python organism.py --out runs/organism --seed 7   # another organism: any seed reaches the starting point
+    python organism.py --out organism-seed0           # the shipped one, made again (4 minutes; rm -r it first)
 
 What it does, in order:
   1. the task: a seeded generator of problems ("What is 19 + 30 - 7?" -> "19 + 30 = 49\\n49 - 7 = 42\\n#### 42"): the
@@ -16,16 +20,18 @@ What it does, in order:
      rebuilds a Qwen2 folder's pre-tokenizer; a character-level WordLevel one came back without its spaces), and
      tokens of its own for padding, the turn's end and the roles, with a chat template. The prompt is the template
      applied to the question alone (gsm8k.encode_prompt's "question" format), no instruction;
-  3. the model: a random Qwen2 (hidden 96, 4 layers, 616,896 parameters) trained on the stream, the loss on the answer and the turn's end, until its greedy
-     accuracy on held-out problems of the stream reaches --target-accuracy. Where it stops is the starting point the
+  3. the model: a random Qwen2 (hidden 96, 4 layers, 616,896 parameters) trained on the stream, the loss on the
+     answer and the turn's end, until its greedy accuracy on held-out problems of the stream reaches
+     --target-accuracy. Where it stops is the starting point the
      study needs, whatever the seed: room to learn, and prompts a baseline matters on (sampled at T = 1, most are
      solved by some samples and not all). Accuracy rises steeply once carrying is learned (a wider model went from
      34% to 66% in 50 steps at batch 64), so the check is made every --eval-every steps once it passes a quarter of
      the target;
   4. the report: greedy accuracy on the test split, and on --report-problems of them --samples samples each at T = 1:
      the pass rate and the informative share (solved by some samples, not all); OUT/organism.json records them with
-     the settings, the alphabet, the prompt it reads (the first test question and its ids: a tokenizer that reads
-     otherwise is refused) and the sha256 of every file. A build stopped while writing its folder leaves none.
+     the settings, the sha256 of this script (the recipe), the loss and held-out accuracy at every check, the
+     alphabet, the prompt it reads (the first test question and its ids: a tokenizer that reads otherwise is refused)
+     and the sha256 of every file. A build stopped while writing its folder leaves none.
 
 Simplifications: no dropout, no weight decay, a constant learning rate after warmup (the stop ends it, not a schedule).
 """
@@ -199,10 +205,10 @@ def make_tokenizer() -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=END, pad_token=PAD, additional_special_tokens=[USER, ASSISTANT, SYSTEM]
-    )
+        tokenizer_object=tok, eos_token=END, pad_token=PAD, additional_special_tokens=[USER, ASSISTANT, SYSTEM],
+        padding_side="left",  # saved with it: plain transformers' batched generate pads on the left too
+    )  # fmt: skip
     fast.chat_template = CHAT_TEMPLATE
-    fast.padding_side = "left"
     return fast
 
 
@@ -303,7 +309,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
     bar = tqdm(total=args.max_steps, desc="organism", disable=not args.progress)
-    step, held = 0, 0.0
+    step, held, trajectory = 0, 0.0, []  # trajectory: [step, the step's loss, held-out accuracy] at every check
     while True:
         model.train()
         examples = [encode_example(tok, *next(stream)) for _ in range(args.batch_size)]
@@ -319,6 +325,7 @@ def main() -> None:
         if step % (args.eval_every * (1 if held >= args.target_accuracy / 4 else 5)) == 0:
             model.eval()
             held = greedy_accuracy(model, tok, held_out, max_new_tokens)
+            trajectory.append([step, round(loss.item(), 6), held])
             bar.set_postfix(loss=f"{loss.item():.3f}", held_out=f"{100 * held:.1f}%")
             if held >= args.target_accuracy:
                 break
@@ -352,6 +359,8 @@ def main() -> None:
         question = test[0][0]  # the prompt it reads, as ids: a tokenizer that reads otherwise is refused (gsm8k.py)
         record = {
             "settings": settings,
+            "script_sha256": models.file_sha256(Path(__file__)),  # the recipe: this file, as it built the folder
+            "trajectory": trajectory,
             "alphabet": "".join(sorted(set("".join(q + a for q, a in train + test)))),
             "prompt": {"question": question, "ids": gsm8k.encode_prompt(tok, question, "question")},
             "report": report,

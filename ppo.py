@@ -68,7 +68,7 @@ class Args:
 
     # --- model and data ---
     # qwen2.5-0.5b from the hub; organism: a 0.6M-parameter Qwen2 of multi-step arithmetic, the CPU preset's
-    # (organism.py, built once into the cache); smollm2: the packaged SmolLM2-135M-Instruct GGUF (it shows the
+    # (organism-seed0/, organism.py's build); smollm2: the packaged SmolLM2-135M-Instruct GGUF (it shows the
     # pipeline on GSM8K, not the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a
     # folder or .gguf
     model: str = "qwen2.5-0.5b"

