@@ -629,8 +629,9 @@ def test_the_shipped_organism_is_at_the_starting_point_read_by_plain_transformer
 def test_organism_py_remakes_the_shipped_build(tmp_path):
     """The recipe: organism.py, with the shipped build's settings, trains the same model. Its first 50 steps (the
     build's first check; where it stops is the shipped record's) give the loss the record holds at step 50, to 0.1%:
-    the same on the machine that built it, within float rounding on another. The whole build, 4 minutes, is
-    `python organism.py --out DIR` (docs/organism). ~30 s."""
+    the same on the machine that built it, and on two threads (another summation order) the same to six digits, so
+    0.1% leaves room for another machine's rounding and none for another recipe. The whole build, 4 minutes, is
+    `python organism.py --out DIR` (docs/organism). ~25 s."""
     out = tmp_path / "org"
     proc = run_here("organism.py", ["--out", str(out), "--no-progress", "--target-accuracy", "0", "--eval-every", "50",
                                     "--samples", "2", "--report-problems", "8"])  # fmt: skip
