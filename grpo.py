@@ -72,7 +72,7 @@ class Args:
     # pipeline on GSM8K, not the answer: docs/science.md); tiny, tiny-qwen2: random weights, for tests; a path: a
     # folder or .gguf
     model: str = "qwen2.5-0.5b"
-    """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, organism (built here), smollm2 (packaged), tiny, hub id or path"""
+    """qwen2.5-0.5b (the study's), qwen2.5-1.5b, smollm2-360m, smollm2-1.7b, organism (shipped), smollm2 (packaged), tiny, hub id or path"""
     prompt_format: Literal["chat", "question", "plain"] = "chat"
     """chat (the question and the instruction through the chat template), question (the question alone through it: the organism's), or plain (a model without one)"""
     task: Literal["gsm8k", "toy"] = "gsm8k"

@@ -146,7 +146,7 @@ def resolve_model(name: str) -> Path | str:
 
 
 # ======================================================================================================
-# The organism: organism.py's build, made once into the cache (its own seed), one build at a time, checked
+# The organism: the repository's build copied into the cache (or organism.py's, made there), one at a time, checked
 # ======================================================================================================
 
 ORGANISM_SEED = 0  # the cached organism's seed, whatever a run's --seed: every run starts from the same model
@@ -167,9 +167,11 @@ _ORGANISM_INFO: dict[Path, dict[str, Any]] = {}  # folder -> its organism.json, 
 
 
 def organism_cache_folder() -> Path:
-    """Where the organism's build is cached (it may not be built yet): the folder's name carries a hash of
-    organism.py, its seed and its flags, so that a changed script builds anew."""
-    build = f"|seed {ORGANISM_SEED}|{' '.join(ORGANISM_FLAGS)}".encode()
+    """Where the organism is cached (it may not be there yet): the folder's name carries a hash of organism.py, its
+    seed, its flags and its source (the shipped build's weights, or a build here), so that a changed script builds
+    anew and a build made here while the shipped one was missing or damaged does not stand in for it later."""
+    source = f"shipped {shipped_weights()}" if why_not_shipped() is None else "built here"
+    build = f"|seed {ORGANISM_SEED}|{' '.join(ORGANISM_FLAGS)}|{source}".encode()
     key = hashlib.sha256(ORGANISM_SCRIPT.read_bytes() + build).hexdigest()[:12]
     return cache_root() / f"organism-{key}"
 
@@ -231,7 +233,7 @@ def why_not_shipped() -> str | None:
     """Why the repository's build (SHIPPED_ORGANISM) is not the one organism_folder would build, or None when it is:
     made by this organism.py (its record's script_sha256), of ORGANISM_SEED, with no other flags, its files as
     recorded. organism.py reads its defaults itself, so a changed default is a changed script."""
-    if not (SHIPPED_ORGANISM / ORGANISM_RECORD).is_file():
+    if not SHIPPED_ORGANISM.is_dir():
         return f"{SHIPPED_ORGANISM.name}/ is not in this checkout"
     if ORGANISM_FLAGS:
         return f"it was built without organism.py's flags {' '.join(ORGANISM_FLAGS)}"
@@ -245,6 +247,11 @@ def why_not_shipped() -> str | None:
     return None
 
 
+def shipped_weights() -> str:
+    """The sha256 of the shipped build's weights, as its record holds it."""
+    return json.loads((SHIPPED_ORGANISM / ORGANISM_RECORD).read_text())["sha256"]["model/model.safetensors"]
+
+
 def _build_organism(folder: Path) -> None:
     """The shipped build copied, or organism.py run, into FOLDER.tmp-PID, renamed to folder. Called under the
     build's lock: any FOLDER.tmp-* is a killed build's, removed before and after (_remove_unfinished_builds). Stopped
@@ -256,7 +263,11 @@ def _build_organism(folder: Path) -> None:
     if (why := why_not_shipped()) is None:
         try:
             shutil.copytree(SHIPPED_ORGANISM, tmp)
+            if (damage := organism_damage(tmp)) is not None:  # changed while it was copied (a checkout)
+                raise UserError(f"the copy of {SHIPPED_ORGANISM} is not the shipped build: {damage}")
             os.rename(tmp, folder)
+        except OSError as e:  # a full disk, a folder that cannot be written
+            raise UserError(f"copying {SHIPPED_ORGANISM} into {folder.parent} failed: {e}") from e
         finally:
             _remove_unfinished_builds(folder)
         print(f"the organism: the repository's build ({SHIPPED_ORGANISM.name}/) copied into {folder}", flush=True)
@@ -519,12 +530,12 @@ def check_generation_memory(
     KV cache (2 x layers x KV heads x head dim per token) and one step of logits (the vocabulary per sequence);
     a batch that would not fit the device's memory is refused with the estimate. A hub model that cannot be
     fetched is refused here, before anything is written; other failures pass (loading the model reports them). The
-    organism, not built yet, passes without its build (minutes, after the run folder's refusals). Made again once
+    organism, not in the cache yet, passes without it (copied or built after the run folder's refusals). Made again once
     the data is read, with its longest prompt (recheck_generation_memory)."""
     global _MEMORY_CHECKED
     _MEMORY_CHECKED = (model, device, batches)
     if model == ORGANISM and not organism_cache_folder().is_dir():
-        return  # not built yet: ~0.6M parameters never fill a device, and the refusals before its build come first
+        return  # not cached yet: ~0.6M parameters never fill a device, and the refusals before its copy come first
     try:
         config = _model_config(model)
     except UserError:

@@ -481,8 +481,8 @@ def test_a_run_on_the_organism_reads_its_task_and_records_it(small_cache, tmp_pa
 
 
 def test_a_refused_run_on_the_organism_builds_nothing(small_cache, tmp_path, monkeypatch):
-    """The run folder's refusals come before the organism's build (minutes): the memory check before them passes the
-    organism unbuilt."""
+    """The run folder's refusals come before the organism is copied or built (minutes): the memory check before them
+    passes the organism not yet in the cache."""
     from helpers import cli
 
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
@@ -533,15 +533,16 @@ def test_the_shipped_organism_is_this_organism_pys_build_of_seed_0():
     assert models.organism_damage(SHIPPED) is None
     record = shipped_record()
     defaults = {k: v for k, v in dataclasses.asdict(organism.Args()).items() if k not in ("out", "progress")}
-    assert record["settings"] == defaults and models.ORGANISM_SEED == 0
+    assert record["settings"] == defaults and models.ORGANISM_SEED == 0, f"organism.py's defaults changed: {REMAKE}"
     assert models.why_not_shipped() is None, f"organism.py changed since {SHIPPED.name}/ was built: {REMAKE}"
 
 
 def test_the_committed_study_ran_on_the_shipped_organism():
     """Every run of docs/organism records the sha256 of the organism's weights it trained: the shipped one's."""
     weights = shipped_record()["sha256"]["model/model.safetensors"]
-    runs = list((REPO / "docs" / "organism").glob("*/*/results.json"))
-    assert len(runs) == 54
+    study = REPO / "docs" / "organism"
+    runs = list(study.glob("*/*/results.json"))
+    assert len(runs) == len((study / "plan.tsv").read_text().splitlines()) > 0  # every run of the plan
     assert {json.loads(r.read_text())["organism"]["sha256"]["model/model.safetensors"] for r in runs} == {weights}
 
 
@@ -561,6 +562,13 @@ def test_why_not_shipped_names_each_reason(tmp_path, monkeypatch):
     copy = tmp_path / SHIPPED.name
     shutil.copytree(SHIPPED, copy)
     monkeypatch.setattr(models, "SHIPPED_ORGANISM", copy)
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    key = models.organism_cache_folder()  # named by its source too: a build made here never stands in for it
+    (copy / "organism.json").unlink()
+    assert models.why_not_shipped() == "it is damaged: organism.json unreadable: FileNotFoundError"
+    assert models.organism_cache_folder() != key
+    shutil.copy(SHIPPED / "organism.json", copy)
+    assert models.why_not_shipped() is None and models.organism_cache_folder() == key
     weights = copy / "model" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8])
     said = models.why_not_shipped()
@@ -582,6 +590,39 @@ def test_the_cache_is_filled_from_the_shipped_build_without_building(tmp_path, m
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".{folder.name}.lock", folder.name]
 
 
+def test_a_failed_copy_is_one_error_and_leaves_no_folder(tmp_path, monkeypatch):
+    """The disk fills while the shipped build is copied: one error naming the copy, nothing left in the cache."""
+
+    def copy_half(src, dst, **kw):
+        Path(dst, "model").mkdir(parents=True)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    monkeypatch.setattr(shutil, "copytree", copy_half)
+    with pytest.raises(errors.UserError, match=f"copying {SHIPPED} into {tmp_path} failed: .*No space left"):
+        models.organism_folder()
+    assert [p.name for p in tmp_path.iterdir()] == [f".{models.organism_cache_folder().name}.lock"]
+
+
+def test_a_copy_that_is_not_the_shipped_build_is_refused(tmp_path, monkeypatch):
+    """The shipped files change while they are copied (a checkout): the copy is checked before it is used."""
+    copytree = shutil.copytree
+
+    def copy_then_change(src, dst, *args, **kw):  # copytree calls itself for each folder inside
+        copytree(src, dst, *args, **kw)
+        if Path(src) == SHIPPED:
+            Path(dst, "data", "test.jsonl").write_text("{}\n")
+        return dst
+
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path))
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    monkeypatch.setattr(shutil, "copytree", copy_then_change)
+    with pytest.raises(errors.UserError, match="is not the shipped build: data/test.jsonl is not the file that was"):
+        models.organism_folder()
+    assert [p.name for p in tmp_path.iterdir()] == [f".{models.organism_cache_folder().name}.lock"]
+
+
 def strict_answer(text: str) -> str | None:
     """The test's own strict reader, not gsm8k.py's: the completion's last line is "#### N", N an integer."""
     last = text.strip().split("\n")[-1]
@@ -597,6 +638,7 @@ def test_the_shipped_organism_is_at_the_starting_point_read_by_plain_transformer
 
     tok = AutoTokenizer.from_pretrained(SHIPPED / "model")
     model = AutoModelForCausalLM.from_pretrained(SHIPPED / "model").eval()
+    record = shipped_record()
     rows = [json.loads(line) for line in (SHIPPED / "data" / "test.jsonl").open()]
     train = {json.loads(line)["question"] for line in (SHIPPED / "data" / "train.jsonl").open()}
     assert len(rows) == 1000 and not train & {r["question"] for r in rows}
@@ -609,7 +651,7 @@ def test_the_shipped_organism_is_at_the_starting_point_read_by_plain_transformer
             enc = tok.apply_chat_template(chats, add_generation_prompt=True, padding=True, return_tensors="pt",
                                           return_dict=True)  # fmt: skip
             with torch.no_grad():
-                gen = model.generate(**enc, max_new_tokens=102, do_sample=sample, temperature=1.0 if sample else None,
+                gen = model.generate(**enc, max_new_tokens=record["report"]["max_new_tokens"], do_sample=sample, temperature=1.0 if sample else None,
                                      top_k=None, top_p=None, num_return_sequences=k)  # fmt: skip
             texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             golds = [r["answer"].split("#### ")[-1] for r in chunk for _ in range(k)]
@@ -618,7 +660,7 @@ def test_the_shipped_organism_is_at_the_starting_point_read_by_plain_transformer
         return out
 
     greedy = sum(solved(rows, 1, sample=False)) / len(rows)
-    assert 0.2 <= greedy <= 0.6 and abs(greedy - shipped_record()["report"]["test_greedy"]) < 0.02, greedy
+    assert 0.2 <= greedy <= 0.6 and abs(greedy - record["report"]["test_greedy"]) < 0.02, greedy
     torch.manual_seed(0)
     p = solved(rows[:256], 8, sample=True)
     pass_rate, informative = sum(p) / len(p), sum(0 < x < 1 for x in p) / len(p)
@@ -650,7 +692,7 @@ def test_organism_py_remakes_the_shipped_build(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_on_the_organism_raises_test_accuracy_with_a_paired_interval_above_zero(tmp_path):
+def test_grpo_on_the_organism_raises_test_accuracy_with_a_paired_interval_above_zero(tmp_path, monkeypatch):
     """The study's premise on the machine it has: the organism solves some problems and not others, and GRPO at
     the CPU preset's learning rate lifts its greedy test accuracy within a few steps (on its 1,000 test problems, 12
     steps of 32 prompts x 8, one thread, 63 s: 45.4% -> 53.7%, paired +8.3 points [+5.4, +11.2]; 16 prompts x 8 gave
@@ -661,10 +703,12 @@ def test_grpo_on_the_organism_raises_test_accuracy_with_a_paired_interval_above_
     run = tmp_path / "run"
     sizes = dict(model="organism", batch_size=32, group_size=8, total_steps=12, micro_batch_size=128, mc_every=0,
                  eval_every=0, eval_size=100, test_size=1000)  # fmt: skip
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))  # the shipped build copied in, whatever a cache holds
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
     proc = run_here("grpo.py", cli(run, base=sizes))
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = check_results(run, steps=12)
-    assert results["organism"]["settings"]["hidden"] == organism.Args().hidden  # the real one, not a test's
+    assert results["organism"]["sha256"] == shipped_record()["sha256"]  # the real one, not a test's
     before, after = results["test_before"]["correct"], results["test"]["correct"]
     diff, lo, hi = intervals.paired_difference(after, before)  # the trainer's own last lines say the same
     said = f"{results['test_before']['accuracy']} -> {results['test']['accuracy']}: {diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
