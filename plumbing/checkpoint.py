@@ -23,7 +23,6 @@ locked). The folder's names, its lock and link rules are rundir.py's; the collec
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -49,20 +48,13 @@ from plumbing.distributed import (
     world_size,
 )
 from plumbing.errors import NonFiniteError, RunFinished, UserError, WriteFailed
+from plumbing.models import file_sha256
 from plumbing.rundir import CHECKPOINT, find_checkpoint, refuse_links, set_aside
 from plumbing.runtime import all_finite
 
 # ======================================================================================================
 # Checkpoints: one folder per run, written atomically, safetensors, torch.load(weights_only=True)
 # ======================================================================================================
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def rng_state() -> dict[str, Any]:
@@ -362,7 +354,7 @@ def _write_checkpoint_files(tmp, policy, tokenizer, critic, optimizer, scheduler
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
     (tmp / "args.json").write_text(json.dumps(args, indent=2, default=str))
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {str(p.relative_to(tmp)): _sha256(p) for p in files}
+    manifest = {str(p.relative_to(tmp)): file_sha256(p) for p in files}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
     for p in files + [tmp / "manifest.json"]:
         with open(p, "rb") as f:
@@ -407,7 +399,7 @@ def verify_checkpoint(path: Path) -> None:
         raise damaged(f"{unlisted[0]} is not in the manifest")
     for rel, digest in manifest.items():
         p = path / rel
-        if not p.is_file() or _sha256(p) != digest:
+        if not p.is_file() or file_sha256(p) != digest:
             raise damaged(f"{rel} is missing or altered")
 
 

@@ -297,7 +297,7 @@ class _WritesAFile:
 def rehash(ckpt: Path) -> None:
     """What anyone can do to an unsigned manifest: list every file with its new SHA-256."""
     files = sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != "manifest.json")
-    (ckpt / "manifest.json").write_text(json.dumps({str(p.relative_to(ckpt)): checkpoint._sha256(p) for p in files}))
+    (ckpt / "manifest.json").write_text(json.dumps({str(p.relative_to(ckpt)): models.file_sha256(p) for p in files}))
 
 
 @pytest.mark.parametrize("saved_with_fsdp", [False, True])
