@@ -148,8 +148,8 @@ def check_organism_reading(
             at = next((i for i, (a, b) in enumerate(zip(got, ids)) if a != b), min(len(got), len(ids)))
             raise errors.UserError(
                 f"the tokenizer loaded does not read as the organism was trained: its prompt of {question!r} has ids "
-                f"{got[at : at + 4]} from position {at}, where the build recorded {ids[at : at + 4]} (built with "
-                f"another transformers or tokenizers?); remove {models.organism_cache_folder()} to build it again"
+                f"{got[at : at + 4]} from position {at}, where the build recorded {ids[at : at + 4]}: the installed "
+                "transformers or tokenizers reads its tokenizer otherwise than the ones that built it (requirements.txt)"
             )
 
 

@@ -162,7 +162,9 @@ ORGANISM_FILES = (  # the files organism.json's sha256 must name: the model, its
     "model/tokenizer_config.json", "data/train.jsonl", "data/test.jsonl",
 )  # fmt: skip
 BUILD_STOP_SECONDS = 5.0  # a terminated build's time to end before it is killed
-_ORGANISM_CHECKED: set[Path] = set()  # folders whose files this process has checked against their sha256
+# (script, seed, flags, shipped folder, cache) -> the cached folder this process has checked against its sha256: a
+# checked organism's name is not derived again (that hashes the shipped build's files, organism_cache_folder)
+_ORGANISM_CHECKED: dict[tuple[str, ...], Path] = {}
 _ORGANISM_INFO: dict[Path, dict[str, Any]] = {}  # folder -> its organism.json, read once per process
 
 
@@ -183,9 +185,10 @@ def organism_folder() -> Path:
     Processes that start together (a sweep's jobs, torchrun's ranks) make it once: the others wait on a lock. Its
     files are checked against the sha256 that organism.json records, once per process; a damaged copy is moved
     aside, said in one line, and made again."""
+    inputs = (str(ORGANISM_SCRIPT), str(ORGANISM_SEED), *ORGANISM_FLAGS, str(SHIPPED_ORGANISM), str(cache_root()))
+    if inputs in _ORGANISM_CHECKED:
+        return _ORGANISM_CHECKED[inputs]
     folder = organism_cache_folder()
-    if folder in _ORGANISM_CHECKED:
-        return folder
     cache_root().mkdir(parents=True, exist_ok=True)
     with open(cache_root() / f".{folder.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
@@ -196,7 +199,7 @@ def organism_folder() -> Path:
         if not folder.exists():
             _ORGANISM_INFO.pop(folder, None)
             _build_organism(folder)
-    _ORGANISM_CHECKED.add(folder)
+    _ORGANISM_CHECKED[inputs] = folder
     return folder
 
 

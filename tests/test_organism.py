@@ -320,7 +320,7 @@ def small_cache(small_cache_dir, monkeypatch):
     test: the real organism's tests, later in this process, see the real cache."""
     monkeypatch.setenv("RLVR_CACHE", str(small_cache_dir))
     monkeypatch.setattr(models, "ORGANISM_FLAGS", [*flags(**TINY_FLAGS), "--no-progress"])
-    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", {})
     return small_cache_dir
 
 
@@ -399,7 +399,7 @@ def test_a_build_stopped_while_it_runs_terminates_organism_py_and_leaves_no_fold
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(models, "ORGANISM_SCRIPT", script)
     monkeypatch.setattr(models, "ORGANISM_FLAGS", [])
-    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", {})
     started: list[subprocess.Popen] = []
 
     class Interrupted(subprocess.Popen):  # Ctrl-C while the build is waited for
@@ -581,13 +581,15 @@ def test_the_cache_is_filled_from_the_shipped_build_without_building(tmp_path, m
     import subprocess
 
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", {})
     monkeypatch.setattr(models, "_ORGANISM_INFO", {})
     monkeypatch.setattr(subprocess, "Popen", None)  # organism.py is not run
     folder = models.organism_folder()
     assert f"the repository's build ({SHIPPED.name}/) copied into {folder}" in capfd.readouterr().out
     assert models.organism_damage(folder) is None and models.organism_info() == shipped_record()
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".{folder.name}.lock", folder.name]
+    monkeypatch.setattr(models, "organism_cache_folder", None)  # checked: its name is not derived (hashed) again
+    assert models.organism_folder() == folder
 
 
 def test_a_failed_copy_is_one_error_and_leaves_no_folder(tmp_path, monkeypatch):
@@ -598,7 +600,7 @@ def test_a_failed_copy_is_one_error_and_leaves_no_folder(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", {})
     monkeypatch.setattr(shutil, "copytree", copy_half)
     with pytest.raises(errors.UserError, match=f"copying {SHIPPED} into {tmp_path} failed: .*No space left"):
         models.organism_folder()
@@ -616,7 +618,7 @@ def test_a_copy_that_is_not_the_shipped_build_is_refused(tmp_path, monkeypatch):
         return dst
 
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path))
-    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", {})
     monkeypatch.setattr(shutil, "copytree", copy_then_change)
     with pytest.raises(errors.UserError, match="is not the shipped build: data/test.jsonl is not the file that was"):
         models.organism_folder()
@@ -704,7 +706,7 @@ def test_grpo_on_the_organism_raises_test_accuracy_with_a_paired_interval_above_
     sizes = dict(model="organism", batch_size=32, group_size=8, total_steps=12, micro_batch_size=128, mc_every=0,
                  eval_every=0, eval_size=100, test_size=1000)  # fmt: skip
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))  # the shipped build copied in, whatever a cache holds
-    monkeypatch.setattr(models, "_ORGANISM_CHECKED", set())
+    monkeypatch.setattr(models, "_ORGANISM_CHECKED", {})
     proc = run_here("grpo.py", cli(run, base=sizes))
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = check_results(run, steps=12)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import check_ok, check_one_error_line, run_here
+from helpers import REPO, check_ok, check_one_error_line, run_here
 
 import plots
 import report
@@ -168,7 +168,7 @@ def test_the_committed_organism_study_gives_its_committed_report(tmp_path, monke
     """docs/organism holds the whole organism study (every run's results.json and metrics.jsonl, the plan, the
     preflight) and its report: report.py on it writes the same report.md and summary.csv, from the project root on
     any machine (the report's one "Written by" line carries the clock time)."""
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     study = root / "docs" / "organism"
     assert len(list(study.glob("*/*-s[123]/results.json"))) == 54, "the 18 runs x 3 seeds, every one finished"
     assert not list(study.rglob("checkpoint")), "no checkpoints committed"
