@@ -1,4 +1,4 @@
-"""Shared fixtures: the GSM8K folder, the tiny model's tokenizer (SmolLM2's, from the packaged GGUF), a finished
+"""Shared fixtures: the GSM8K sample and the whole GSM8K where the machine has it, the tiny model's tokenizer (SmolLM2's, from the packaged GGUF), a finished
 one-step run, and the smoke sweep (run once per session).
 
 Markers (pyproject.toml): `packaged` (the packaged SmolLM2 model), `slow` (the tests the fast lane,
@@ -17,7 +17,14 @@ from plumbing import models
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # import common, engine, runtime, critics from the repository root
-os.environ.setdefault("GSM8K_DIR", str(ROOT / ".." / "shared" / "data" / "gsm8k"))
+
+# The tests read GSM8K's files from the sample committed under tests/data/gsm8k (its README: the first 700 train and
+# 200 test problems, MIT), whatever GSM8K_DIR says, so that they pass in full on a machine with this repository
+# alone. GSM8K_DIR, where set, names the whole GSM8K for the few tests that check all of it (full_gsm8k_dir).
+GSM8K_SAMPLE = ROOT / "tests" / "data" / "gsm8k"
+# GSM8K_DIR as the session found it, kept for the xdist workers (they start with this process's environment)
+FULL_GSM8K = os.environ.setdefault("TESTS_WHOLE_GSM8K_DIR", os.environ.get("GSM8K_DIR", ""))
+os.environ["GSM8K_DIR"] = str(GSM8K_SAMPLE)  # what the trainers read in this process and in the tests' subprocesses
 
 
 def pytest_sessionstart(session):
@@ -39,9 +46,21 @@ def pytest_sessionstart(session):
 
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
-    path = Path(os.environ["GSM8K_DIR"])
-    if not (path / "train.jsonl").is_file():
-        pytest.skip(f"no GSM8K folder at {path} (set GSM8K_DIR)")
+    """The committed sample of GSM8K: a folder in GSM8K's files and format."""
+    return GSM8K_SAMPLE
+
+
+@pytest.fixture(scope="session")
+def full_gsm8k_dir() -> Path:
+    """The whole GSM8K (7,473 train and 1,319 test problems), for a test that checks all of it: GSM8K_DIR as the
+    session found it, or a skip that says why (CI sets it; a newcomer's machine need not have it)."""
+    path = Path(FULL_GSM8K).resolve() if FULL_GSM8K else None
+    if path is None or path == GSM8K_SAMPLE or not (path / "train.jsonl").is_file() or not (path / "test.jsonl").is_file():
+        pytest.skip(
+            "checks the whole GSM8K (7,473 train and 1,319 test problems; the sample under tests/data/gsm8k has 700 and 200): "
+            "set GSM8K_DIR to a folder with GSM8K's "
+            f"train.jsonl and test.jsonl (GSM8K_DIR={FULL_GSM8K!r})"
+        )
     return path
 
 

@@ -46,12 +46,13 @@ TINY = {
 }
 
 
-def require_gsm8k_dir() -> str:
-    """$GSM8K_DIR, or skip: the trainers read GSM8K even on the toy task."""
-    path = os.environ.get("GSM8K_DIR")
-    if not path or not Path(path).is_dir():
-        pytest.skip("set GSM8K_DIR to a folder with GSM8K's train.jsonl and test.jsonl")
-    return path
+# the committed sample of GSM8K (tests/data/gsm8k/README.md): the trainers read GSM8K's files even on the toy task
+GSM8K_SAMPLE = REPO / "tests" / "data" / "gsm8k"
+
+
+def gsm8k_sample_dir() -> str:
+    """The folder the tests' trainers read GSM8K from: the committed sample (conftest.py sets GSM8K_DIR to it too)."""
+    return str(GSM8K_SAMPLE)
 
 
 # glibc's malloc keeps freed memory for reuse instead of mapping each large tensor afresh (conftest.pytest_sessionstart
@@ -64,7 +65,7 @@ def trainer_env() -> dict[str, str]:
     OMP_NUM_THREADS says otherwise (the xdist workers keep every core busy: a second thread would spin, a tiny run
     took 11-19 CPU seconds on two threads against 7-11 on one beside other work, 2026-12-03)."""
     env = {"OMP_NUM_THREADS": "1", **os.environ, **MALLOC}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GSM8K_DIR=require_gsm8k_dir())
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GSM8K_DIR=gsm8k_sample_dir())
     env.pop("RANK", None)  # one process, whatever the test runner's environment says
     return env
 

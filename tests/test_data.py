@@ -19,8 +19,28 @@ def _key(p: gsm8k.Problem) -> tuple[str, str]:
     return (p.question, p.solution)
 
 
-def test_split_sizes(splits):
+def _lines(path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def test_split_sizes(splits, gsm8k_dir):
+    """Every train problem is in train or val (500 of them), every test problem in test: on the sample."""
+    n_train, n_test = _lines(gsm8k_dir / "train.jsonl"), _lines(gsm8k_dir / "test.jsonl")
+    assert (n_train, n_test) == (700, 200)  # tests/data/gsm8k/README.md
+    assert {k: len(v) for k, v in splits.items()} == {"train": n_train - 500, "val": 500, "test": n_test}
+
+
+def test_the_whole_gsm8k_splits_as_published(full_gsm8k_dir):
+    """GSM8K's published sizes (7,473 train, 1,319 test), the study's val carved out of train."""
+    splits = gsm8k.load_gsm8k(str(full_gsm8k_dir))
     assert {k: len(v) for k, v in splits.items()} == {"train": 6973, "val": 500, "test": 1319}
+
+
+def test_the_sample_is_the_head_of_the_whole_gsm8k(gsm8k_dir, full_gsm8k_dir):
+    """The committed sample is what its README says: the first lines of GSM8K's files, unchanged."""
+    for split in ("train", "test"):
+        sample = (gsm8k_dir / f"{split}.jsonl").read_bytes()
+        assert (full_gsm8k_dir / f"{split}.jsonl").read_bytes().startswith(sample)
 
 
 def test_val_is_carved_out_of_train(splits, gsm8k_dir):

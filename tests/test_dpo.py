@@ -19,7 +19,7 @@ from helpers import (
     cli,
     is_finite,
     read_metrics,
-    require_gsm8k_dir,
+    gsm8k_sample_dir,
     run_here,
     run_in_process,
     tree_digest,
@@ -168,7 +168,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def train_split():
-    return gsm8k.load_gsm8k(require_gsm8k_dir())["train"]  # dpo.py's default --val-size carve-out
+    return gsm8k.load_gsm8k(gsm8k_sample_dir())["train"]  # dpo.py's default --val-size carve-out
 
 
 def test_gold_pairs_are_the_reference_solution_against_a_wrong_sample(dpo_run, tok, train_split):
@@ -205,9 +205,11 @@ def test_reference_solution_by_hand():
     assert gsm8k.reference_solution(problem) == "She sold 48/2 = 24 clips in May.\nIn all 48+24 = 72 clips.\n#### 1072"
 
 
-def test_reference_solution_of_every_train_problem_scores_one():
-    problems = gsm8k.load_gsm8k(require_gsm8k_dir(), val_size=0)["train"]  # the whole of train.jsonl
-    assert len(problems) == 7473
+@pytest.mark.parametrize("which", ["sample", "whole"])
+def test_reference_solution_of_every_train_problem_scores_one(which, request):
+    folder = gsm8k_sample_dir() if which == "sample" else str(request.getfixturevalue("full_gsm8k_dir"))
+    problems = gsm8k.load_gsm8k(folder, val_size=0)["train"]  # the whole of train.jsonl
+    assert len(problems) == {"sample": 700, "whole": 7473}[which]
     for p in problems:
         text = gsm8k.reference_solution(p)
         assert "<<" not in text and ">>" not in text, text

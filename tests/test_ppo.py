@@ -16,7 +16,7 @@ from helpers import (
     check_one_error_line,
     cli,
     is_finite,
-    require_gsm8k_dir,
+    gsm8k_sample_dir,
     run_here,
     step_rows,
 )
@@ -160,7 +160,7 @@ def run_ppo_in_process(argv: list[str], monkeypatch) -> None:
     import ppo
 
     monkeypatch.setattr(sys, "argv", ["ppo.py", *argv])
-    monkeypatch.setenv("GSM8K_DIR", require_gsm8k_dir())
+    monkeypatch.setenv("GSM8K_DIR", gsm8k_sample_dir())
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         ppo.main()
