@@ -55,7 +55,12 @@ def full_gsm8k_dir() -> Path:
     """The whole GSM8K (7,473 train and 1,319 test problems), for a test that checks all of it: GSM8K_DIR as the
     session found it, or a skip that says why (CI sets it; a newcomer's machine need not have it)."""
     path = Path(FULL_GSM8K).resolve() if FULL_GSM8K else None
-    if path is None or path == GSM8K_SAMPLE or not (path / "train.jsonl").is_file() or not (path / "test.jsonl").is_file():
+    if (
+        path is None
+        or path == GSM8K_SAMPLE
+        or not (path / "train.jsonl").is_file()
+        or not (path / "test.jsonl").is_file()
+    ):
         pytest.skip(
             "checks the whole GSM8K (7,473 train and 1,319 test problems; the sample under tests/data/gsm8k has 700 and 200): "
             "set GSM8K_DIR to a folder with GSM8K's "

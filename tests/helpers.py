@@ -27,8 +27,6 @@ import traceback
 import warnings
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 
 # A run that takes a few seconds on one CPU core: tiny model, short completions, small evaluations.
@@ -65,7 +63,8 @@ def trainer_env() -> dict[str, str]:
     OMP_NUM_THREADS says otherwise (the xdist workers keep every core busy: a second thread would spin, a tiny run
     took 11-19 CPU seconds on two threads against 7-11 on one beside other work, 2026-12-03)."""
     env = {"OMP_NUM_THREADS": "1", **os.environ, **MALLOC}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GSM8K_DIR=gsm8k_sample_dir())
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.setdefault("GSM8K_DIR", gsm8k_sample_dir())  # a test's own folder where it set one (monkeypatch.setenv)
     env.pop("RANK", None)  # one process, whatever the test runner's environment says
     return env
 

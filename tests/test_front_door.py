@@ -62,9 +62,7 @@ def test_once_installed_only_the_command_runs(house):
     stamp.touch()
     os.utime(house / "requirements.txt", (1_000_000_000, 1_000_000_000))  # older than the install
     assert dry_run(house, "run") == [".venv/bin/python ppo.py --critic small"]
-    assert dry_run(house, "test", "ARGS=-m 'not slow'") == [
-        ".venv/bin/python -m pytest -q -m 'not slow'"
-    ]
+    assert dry_run(house, "test", "ARGS=-m 'not slow'") == [".venv/bin/python -m pytest -q -m 'not slow'"]
     os.utime(house / "requirements.txt")  # newer than the install: install again
     assert "pip install -r requirements.txt" in "\n".join(dry_run(house, "test"))
 

@@ -15,8 +15,8 @@ from helpers import (
     check_ok,
     check_one_error_line,
     cli,
-    is_finite,
     gsm8k_sample_dir,
+    is_finite,
     run_here,
     step_rows,
 )
