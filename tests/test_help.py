@@ -162,7 +162,7 @@ def test_the_checks_catch_a_phrase_broken_by_a_docstring_and_a_second_default():
 
 def sweep_help(monkeypatch, capsys, columns: int) -> str:
     """`./sweep.sh --help` in this process (sweep_runner on sweep.sh's plan), on a terminal `columns` wide."""
-    import sweep_runner
+    from study import sweep_runner
 
     monkeypatch.setenv("COLUMNS", str(columns))
     plan = (ROOT / "sweep.sh").read_text().split("<<'PLAN'\n")[1].split("\nPLAN")[0]
@@ -180,8 +180,7 @@ def test_the_sweeps_help_says_what_it_does_lists_the_experiments_and_shows_examp
     3-seed half-width of GRPO's nmse against the smallest effect, not an informative-share threshold), every
     experiment of the plan with its runs a seed and what it is, which run by default, examples; every option once,
     each default once, no line broken mid-phrase and none past the terminal."""
-    import preflight
-    import sweep_runner
+    from study import preflight, sweep_runner
 
     text = sweep_help(monkeypatch, capsys, columns)
     flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())

@@ -19,10 +19,8 @@ from helpers import REPO, check_one_error_line, trainer_env
 import gsm8k
 import intervals
 import measure
-import preflight
-import report
-import sweep_runner
 from plumbing import models
+from study import preflight, report, sweep_runner
 
 FIELDS = ("pass_rate", "signal", "informative", "prompts", "samples_per_prompt", "samples", "informative_prompts")
 

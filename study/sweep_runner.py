@@ -29,7 +29,7 @@ import tyro
 from plumbing import cmdline, rundir
 from plumbing.errors import UserError
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("PYTHON") or sys.executable
 
 # ======================================================================================================

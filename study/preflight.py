@@ -40,7 +40,7 @@ import intervals
 import measure
 from plumbing import cmdline, distributed, errors, generation, models, rollout, rundir, runtime
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 SMALLEST_EFFECT = 0.05  # refuse when GRPO's 3-seed nmse interval at the prompt is wider than +- this (measurement.md)
 MIN_INFORMATIVE = 0.2  # report.py warns of a run whose measured prompt states have a smaller informative share
 GPU_PROMPTS, CPU_PROMPTS = 256, 8  # the default sample: 256 x G on a GPU, a handful on the CPU

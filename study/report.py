@@ -29,11 +29,11 @@ import tyro
 
 import intervals
 import measure
-import preflight
-from estimate import estimate_markdown, model_estimate_markdown
-from plots import plot_crossover, plot_curves, plot_errors, plot_run
 from plumbing import cmdline, errors, runtime
-from read_runs import (
+from study import preflight
+from study.estimate import estimate_markdown, model_estimate_markdown
+from study.plots import plot_crossover, plot_curves, plot_errors, plot_run
+from study.read_runs import (
     ERROR_COLUMNS,
     FLOPS_PARTS,
     NMSE_SUMS,
