@@ -324,7 +324,7 @@ def test_the_toy_task_passes_the_preflight_and_writes_its_json(tmp_path):
     assert not [d for d in tmp_path.iterdir() if d.is_dir()], "the preflight made a folder"
     # the same sample asked for the default smallest effect: 2 prompt states are far too few, so it refuses
     proc = subprocess.run(
-        [sys.executable, "preflight.py", "--out", str(tmp_path / "d"), "--", *p["command"]],
+        [sys.executable, "-m", "study.preflight", "--out", str(tmp_path / "d"), "--", *p["command"]],
         cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr + proc.stdout
@@ -374,7 +374,7 @@ def test_the_dry_run_shows_the_preflight_as_the_sweep_builds_it(tmp_path):
     proc = sweep("--preflight", "--smoke", "--dry-run", "--out", out, "--", "--lr", "2e-6")
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.strip().splitlines()
-    assert "preflight.py --out" in line and " -- grpo.py --run-dir " in line and "--model tiny" in line
+    assert "-m study.preflight --out" in line and " -- grpo.py --run-dir " in line and "--model tiny" in line
     assert "--group-size 2" in line and "--task toy" in line and line.endswith("--lr 2e-6")  # smoke, then the extra
     full = sweep("--smoke", "--dry-run", "--out", out)
     assert "# preflight first: h2h/grpo-group for seed 1" in full.stdout
