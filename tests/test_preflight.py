@@ -1,7 +1,7 @@
-"""The sweep's preflight (preflight.py, ./sweep.sh --preflight): its estimators and its predicted standard error
-against simulations of measure.baseline_error, its three exit codes and its JSON on the tiny model, the sweep it
-refuses (no run folder), a model that cannot be fetched, the informative-state count of the MC measurement, and
-the report's opening and warning."""
+"""The sweep's preflight (python -m study.preflight, ./sweep.sh --preflight): its estimators and its predicted
+standard error against simulations of measure.baseline_error, its three exit codes and its JSON on the tiny model, the
+sweep it refuses (no run folder), a model that cannot be fetched, the informative-state count of the MC measurement,
+and the report's opening and warning."""
 
 from __future__ import annotations
 
