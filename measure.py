@@ -7,7 +7,7 @@ baseline_error(), which scales the baseline's noise-corrected error by the rewar
 centred (what whitening removes) and within prompts, split by state (the prompt, inside); the sums pool over
 measurements and seeds before any ratio.
 Does not hold: the baselines themselves (the critic in ppo.py, the group mean in grpo.py), intervals over seeds
-(intervals.py), the report's tables (report.py). Imports common.py, gsm8k.py (the reward) and the plumbing.
+(intervals.py), the report's tables (study/report.py). Imports common.py, gsm8k.py (the reward) and the plumbing.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def baseline_error(
       signal_fraction: the share of prompts (of states without groups) whose K returns are not all equal
                       (0 < p < 1 for 0/1 rewards): where a baseline can matter at all.
 
-    Every ratio is of pooled sums, never of roots: the sum_* and count entries let report.py (pool_baseline_errors)
+    Every ratio is of pooled sums, never of roots: the sum_* and count entries let the report (pool_baseline_errors)
     pool measurements and seeds again. Noise terms assume the K returns of a state are independent of the others'.
     """
     e = (pred.double() - mc.double()).flatten()
@@ -345,7 +345,7 @@ def monte_carlo(
     per baseline, over every state and over the prompt states and the states inside apart (baseline_error_by_state;
     nmse's denominator and signal_fraction from the 0/1 scores, before any penalty). Returns {"<name><part>/<key>":
     ...} (part: STATE_PARTS) plus states, informative_states (those whose K 0/1 scores are not all equal: where a
-    baseline can matter; report.py warns when a run has few) and tokens, and the MC tokens used on all ranks.
+    baseline can matter; the report warns when a run has few) and tokens, and the MC tokens used on all ranks.
     k is at least 2 (check_measurement refuses less before anything loads).
     """
     picked = [

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # sweep.sh: the study's plan. Each line below is one run per seed: its experiment, its name (the run's folder is
-# OUT/<experiment>/<name>-s<seed>) and the trainer command. sweep_runner.py adds to every command --run-dir,
+# OUT/<experiment>/<name>-s<seed>) and the trainer command. study/sweep_runner.py adds to every command --run-dir,
 # --seed, --model (when given; else the trainers' scale picks it: qwen2.5-0.5b at study, the organism at cpu), --scale,
 # --no-progress and the flags given after `--`; it schedules the runs (one after another,
 # a pool over GPUs or CPU jobs, torchrun, or SLURM arrays), skips finished runs, resumes interrupted ones, sets a
-# damaged results.json aside, records failures, and writes the report (report.py) at the end.
+# damaged results.json aside, records failures, and writes the report (study/report.py) at the end.
 #
 #   ./sweep.sh --help      the options          ./sweep.sh --dry-run   the commands, run nothing
 #   ./sweep.sh --smoke     all of it on the CPU with a tiny random model, in minutes (docs/sweep.md)
@@ -14,7 +14,11 @@
 # after every run that does not. {10*steps} is a step cap the token budget, not the cap, ends.
 # The experiments named in --default-experiments run unless --experiments says otherwise.
 set -euo pipefail
-exec "${PYTHON:-python}" "$(dirname "${BASH_SOURCE[0]}")/sweep_runner.py" \
+# study/sweep_runner.py runs as a module of the repository's root (its imports are the root's), wherever this is run
+# from: the root first on the path, the working folder not on it (-P: a folder named study/ there cannot stand in)
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python}" -P -m study.sweep_runner \
   --default-experiments h2h,critic,labels --budget-from h2h/grpo-group "$@" <<'PLAN'
 # h2h: the three methods at matched compute. GRPO first, for the scale's steps: its tokens are the budget.
 # grpo-group-unscaled is Dr. GRPO's advantage (no division by the group's std): the baseline alone compared.

@@ -1,7 +1,7 @@
 """Part q of bench/run_gpu.sh: the study's model (Qwen2.5 0.5B, $QWEN_GGUF) on GSM8K inside one time limit, in
 priority order, each result under OUT the moment it exists:
 
-  a. preflight.json      python preflight.py at the study's GRPO settings, 256 train prompts x 8. Its exit 3
+  a. preflight.json      python -m study.preflight at the study's GRPO settings, 256 train prompts x 8. Its exit 3
                          ("refused": too few prompts with 0 < p < 1) is a measurement: recorded, and the part goes on
   b. eval-before/        greedy accuracy on the whole test set before training (ppo.py --critic none --total-steps 0,
                          as the README's table measures the packaged model)
@@ -18,7 +18,7 @@ killed at once, without the checkpoint a trainer saves on SIGTERM, and summary.j
 never started; after a SIGKILL it still says which step was running. No checkpoint is kept (--save-every 0, and the
 final one removed once its run ends): the GGUF's 630M parameters in fp32 with AdamW's two moments are ~7.5 GB.
 
-It drives the scripts through their command lines only (python preflight.py, grpo.py, ppo.py, report.py), never
+It drives the scripts through their command lines only (python -m study.preflight, grpo.py, ppo.py, report.py), never
 importing them, but for intervals.py (plain numbers, no torch): the paired interval has one source.
 
     python bench/qwen_part.py --model "$QWEN_GGUF" --out OUT/q --limit-s 400    # the GPU (run_gpu.sh's part q)
@@ -290,7 +290,7 @@ class Part:
     def preflight(self) -> None:
         self.start("preflight")
         grpo = {"--model": self.a.model, "--scale": "study", **(TINY_PREFLIGHT if self.a.tiny else {})}
-        cmd = ["preflight.py", "--out", str(self.out), "--prompts", str(self.sizes["preflight_prompts"])]
+        cmd = ["-m", "study.preflight", "--out", str(self.out), "--prompts", str(self.sizes["preflight_prompts"])]
         res = self.run([*cmd, "--", "grpo.py", *flags(grpo)])
         path = self.out / "preflight.json"
         if res["rc"] in (0, 3) and path.is_file():  # 3: refused for want of signal, a verdict like 0

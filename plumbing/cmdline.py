@@ -1,4 +1,4 @@
-"""The command line read with tyro, its refusals one line. No torch: sweep_runner.py uses it before any trainer starts.
+"""The command line read with tyro, its refusals one line. No torch: study/sweep_runner.py uses it before a trainer.
 
 Holds: parse (tyro with a given instance as its defaults; a bad flag or value a UserError of one line, not tyro's box),
 parse_args (the same with the class's own defaults), help_opening and fill (--help's first paragraph, any paragraph),
@@ -74,7 +74,7 @@ def parse(cls: type[T], default: T, args: Sequence[str] | None, **tyro_options: 
 
 def parse_args(cls: type[T], args: Sequence[str] | None = None) -> T:
     """A script's Args (a dataclass, its defaults cls()'s) from the command line with tyro, for a script without
-    the trainers' two presets (report.py, preflight.py). A bad flag or value is a UserError of one line."""
+    the trainers' two presets (study/report.py). A bad flag or value is a UserError of one line."""
     return parse(cls, cls(), args)
 
 

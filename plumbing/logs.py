@@ -5,7 +5,7 @@ Holds: the banner every trainer prints first (every setting, grouped as its Args
 scalars to TensorBoard and W&B; a resumed run's rows after its checkpoint moved aside), and write_results
 (results.json, atomically, and the run's last line).
 Does not hold: the checkpoint (checkpoint.py), the run folder's files and lock (rundir.py), reading results back
-for the report (read_runs.py). Imports errors, rundir, runtime, distributed and
+for the report (study/read_runs.py). Imports errors, rundir, runtime, distributed and
 intervals (the paired difference a run ends with).
 """
 

@@ -6,7 +6,7 @@ symbolic links (a folder received from someone else must not make a run write el
 stopped run's user does next, and the small file helpers every writer uses (results.json read back, JSON written
 atomically, files opened without following a link).
 Does not hold: what a checkpoint contains or how it is verified (checkpoint.py), the run's life (runtime.py).
-Imports nothing of the project but errors.py, and no torch: sweep_runner.py uses it before any trainer loads.
+Imports nothing of the project but errors.py, and no torch: study/sweep_runner.py uses it before any trainer loads.
 """
 
 from __future__ import annotations

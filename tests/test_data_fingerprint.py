@@ -17,8 +17,8 @@ import dpo
 import grpo
 import gsm8k
 import ppo
-import report
 from plumbing import checkpoint
+from study import report
 
 RUN = {**SMALL_RUN, "val_size": 4}
 

@@ -27,8 +27,8 @@ from helpers import (
 
 import common
 import gsm8k
-import read_runs
 from plumbing import checkpoint, models, rollout
+from study import read_runs
 
 # Four pairs (offline) or four prompts (online) a step, K = 4 samples of up to 8 tokens, 8 offline prompts.
 DPO_TINY = {

@@ -30,8 +30,8 @@ from helpers import (
 )
 
 import common
-import read_runs
 from plumbing import checkpoint, errors, logs, rundir
+from study import read_runs
 
 GRPO_TINY = dict(batch_size=2, group_size=4, micro_batch_size=4, num_minibatches=2, max_new_tokens=8)
 DPO_TINY = dict(batch_size=4, samples_per_prompt=4, micro_batch_size=4, offline_prompts=8, max_new_tokens=8)

@@ -17,15 +17,22 @@ import torch
 from plumbing import logs, runtime
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["ppo.py", "grpo.py", "dpo.py", "report.py", "preflight.py"]
+# `python report.py` runs study/report.py's main (the root's report.py is its entry point), and
+# `python -m study.preflight` the preflight: the help a person reads is these modules'
+SCRIPTS = ["ppo.py", "grpo.py", "dpo.py", "study/report.py", "study/preflight.py"]
 BANNER_WIDTH = 120
+
+
+def module_of(script: str):
+    """The module a script's path names: "study/report.py" -> study.report."""
+    return importlib.import_module(script.removesuffix(".py").replace("/", "."))
 
 
 def help_of(script: str, monkeypatch, capsys, columns: int) -> str:
     """`python script --help` in this process, on a terminal `columns` wide (no GPU: the CPU preset's defaults)."""
     monkeypatch.setenv("COLUMNS", str(columns))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    module = importlib.import_module(script.removesuffix(".py"))
+    module = module_of(script)
     with pytest.raises(SystemExit) as e:
         if hasattr(module, "CPU_SCALE"):  # a trainer
             runtime.cli(module.Args, module.CPU_SCALE, ["--help"])
@@ -63,7 +70,7 @@ def first_line(doc: str | None) -> str:
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_opens_with_what_the_script_does(script, monkeypatch, capsys):
     """The first line of the help after the usage: the script's docstring's first line (wrapped at words)."""
-    module = importlib.import_module(script.removesuffix(".py"))
+    module = module_of(script)
     for columns in (200, 80):
         text = help_of(script, monkeypatch, capsys, columns)
         before_options = text.split("-h, --help")[0].split(" options")[0].split(" positional arguments")[0]
@@ -109,7 +116,7 @@ def test_help_never_asks_to_install_what_requirements_installs(script, monkeypat
 
 def banner_of(script: str, flags: list[str], monkeypatch) -> tuple[str, object, list[str]]:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    module = importlib.import_module(script.removesuffix(".py"))
+    module = module_of(script)
     args, scaled = runtime.cli(module.Args, module.CPU_SCALE, flags)
     dist_ = SimpleNamespace(device=torch.device("cpu"), world=1)
     extra = {"model": "tiny (3,219,776 parameters)", "run_dir": "runs/x"}
@@ -162,7 +169,7 @@ def test_the_checks_catch_a_phrase_broken_by_a_docstring_and_a_second_default():
 
 def sweep_help(monkeypatch, capsys, columns: int) -> str:
     """`./sweep.sh --help` in this process (sweep_runner on sweep.sh's plan), on a terminal `columns` wide."""
-    import sweep_runner
+    from study import sweep_runner
 
     monkeypatch.setenv("COLUMNS", str(columns))
     plan = (ROOT / "sweep.sh").read_text().split("<<'PLAN'\n")[1].split("\nPLAN")[0]
@@ -180,8 +187,7 @@ def test_the_sweeps_help_says_what_it_does_lists_the_experiments_and_shows_examp
     3-seed half-width of GRPO's nmse against the smallest effect, not an informative-share threshold), every
     experiment of the plan with its runs a seed and what it is, which run by default, examples; every option once,
     each default once, no line broken mid-phrase and none past the terminal."""
-    import preflight
-    import sweep_runner
+    from study import preflight, sweep_runner
 
     text = sweep_help(monkeypatch, capsys, columns)
     flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())

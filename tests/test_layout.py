@@ -1,7 +1,9 @@
-"""The house: every module in its layer, imports one way, no module patching another, each room a readable size.
+"""The house: every module in its layer, imports one way, no module patching another, each room a readable size, and a
+root that shows the method (the study's machinery in study/, the root at most MAX_ROOT Python files).
 
 Read from the source files (ast), not by importing them: a layer is a promise about what a module may import, so
-that a reader of the method never has to read the plumbing, and the plumbing never depends on the method.
+that a reader of the method never has to read the plumbing or the study, and neither the plumbing nor the method
+depends on the study.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # A module may import only modules of a lower layer (docs/design.md's map). The trainers and the study's tools
-# sit on top; the trainers never import each other; the preflight, a layer above them, imports the trainer its
-# command names (its Args and CPU preset).
+# (study/) sit on top; the trainers never import each other; the preflight, a layer above them, imports the trainer
+# its command names (its Args and CPU preset). The root's report.py is the command `python report.py`: study/report.py's
+# entry point, the one module outside study/ that imports it.
 LAYERS = [
     ["plumbing.errors", "intervals", "critics"],
     ["plumbing.rundir", "plumbing.rollout", "plumbing.models", "plumbing.cmdline"],
@@ -29,18 +32,23 @@ LAYERS = [
     ["common"],
     ["gsm8k"],
     ["measure"],
-    ["ppo", "grpo", "dpo", "organism", "read_runs", "sweep_runner"],
-    ["preflight", "plots", "estimate"],
+    ["ppo", "grpo", "dpo", "organism", "study.read_runs", "study.sweep_runner"],
+    ["study.preflight", "study.plots", "study.estimate"],
+    ["study.report"],
     ["report"],
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 # sweep.sh starts before any trainer
-NO_TORCH = ["plumbing.errors", "plumbing.rundir", "plumbing.cmdline", "intervals", "sweep_runner"]
+NO_TORCH = ["plumbing.errors", "plumbing.rundir", "plumbing.cmdline", "intervals", "study.sweep_runner"]
+ENTRY_POINTS = {"report": "study.report"}  # a command at the root -> the study module whose main it runs
+MAX_ROOT = 10  # Python files at the root: the trainers, the modules they import, the organism's recipe, the commands
+PACKAGES = ("plumbing", "study")
 
 
 def modules() -> dict[str, Path]:
     found = {p.stem: p for p in ROOT.glob("*.py")}
-    found |= {f"plumbing.{p.stem}": p for p in (ROOT / "plumbing").glob("*.py") if p.stem != "__init__"}
+    for package in PACKAGES:
+        found |= {f"{package}.{p.stem}": p for p in (ROOT / package).glob("*.py") if p.stem != "__init__"}
     return found
 
 
@@ -52,9 +60,9 @@ def project_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name in names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "plumbing":
-                out |= {f"plumbing.{a.name}" for a in node.names}
-            elif node.module in names:
+            if node.module in PACKAGES:  # from study import report
+                out |= {f"{node.module}.{a.name}" for a in node.names}
+            elif node.module in names:  # from study.read_runs import finite
                 out.add(node.module)
     return out
 
@@ -74,8 +82,56 @@ def test_imports_go_one_way(name):
 def test_an_import_from_above_is_caught(tmp_path):
     """The check itself can fail: a plumbing module importing the method is seen (a file of that shape)."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    import measure\n    from plumbing import generation\n")
-    assert project_imports(bad) == {"measure", "plumbing.generation"}
+    bad.write_text(
+        "import study.plots\nfrom study.read_runs import finite\n"
+        "def f():\n    import measure\n    from plumbing import generation\n    from study import report\n"
+    )
+    assert project_imports(bad) == {"measure", "plumbing.generation", "study.plots", "study.read_runs", "study.report"}
+
+
+def test_the_method_never_imports_the_study():
+    """No module outside study/ imports it, the root's commands aside: the trainers, the modules they import and the
+    plumbing read the same with study/ deleted."""
+    found = {
+        name: sorted(m for m in project_imports(path) if m.startswith("study."))
+        for name, path in modules().items()
+        if not name.startswith("study.") and name not in ENTRY_POINTS
+    }
+    importing = {name: study for name, study in found.items() if study}
+    assert not importing, f"the method imports the study: {importing}"
+
+
+def test_the_root_shows_the_method():
+    """The root holds the trainers, the modules they import, the organism's recipe and the commands a user types: at
+    most MAX_ROOT Python files; the study's machinery lives in study/, which says what it holds."""
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(root) <= MAX_ROOT, f"{len(root)} Python files at the root ({' '.join(root)}): the study's go in study/"
+    doc = ast.get_docstring(ast.parse((ROOT / "study" / "__init__.py").read_text()))
+    assert doc and len(doc.splitlines()) >= 2, "study/__init__.py opens without saying what the folder holds"
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
+def test_a_command_at_the_root_only_runs_the_study_modules_main(name):
+    """report.py at the root keeps `python report.py` as users and the docs type it: its docstring, the imports of
+    the study module's main and of runtime, and the call; no code of its own (that is the study module's)."""
+    body = ast.parse(modules()[name].read_text()).body
+    assert ast.get_docstring(ast.Module(body=body, type_ignores=[])), f"{name}.py opens without its docstring"
+    code = [n for n in body[1:] if not isinstance(n, ast.Import | ast.ImportFrom)]
+    assert len(code) == 1 and isinstance(code[0], ast.If) and "__main__" in ast.unparse(code[0].test), (
+        f"{name}.py holds code of its own: it belongs in {ENTRY_POINTS[name].replace('.', '/')}.py"
+    )
+    imported = [n for n in body if isinstance(n, ast.ImportFrom) and n.module == ENTRY_POINTS[name]]
+    assert [a.name for n in imported for a in n.names] == ["main"] and "main" in ast.unparse(code[0])
+
+
+def test_the_map_in_design_md_names_every_module():
+    """docs/design.md's map (its first code block) names every module's file, so that a module added or moved is
+    drawn there too."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    drawn = text.split("## The map", 1)[1].split("```", 2)[1]
+    missing = [f"{name}.py" for name in sorted(modules()) if f"{name.rsplit('.', 1)[-1]}.py" not in drawn]
+    assert not missing, f"docs/design.md's map does not name {missing}"
+    assert "study/" in drawn and "plumbing/" in drawn
 
 
 def patches(path: Path) -> list[str]:

@@ -100,7 +100,7 @@ def test_a_trainer_given_a_hub_model_not_cached_says_so_in_one_line(tmp_path, gs
 
 def test_the_preflight_given_a_hub_model_not_cached_says_so_in_one_line(tmp_path, gsm8k_dir):
     out = tmp_path / "out"
-    cmd = [sys.executable, "preflight.py", "--out", str(out), "--", "grpo.py", "--model", "qwen2.5-0.5b"]
+    cmd = [sys.executable, "-m", "study.preflight", "--out", str(out), "--", "grpo.py", "--model", "qwen2.5-0.5b"]
     proc, seconds = run(cmd, unreachable_hub(tmp_path / "hf"))
     check_refusal(proc, seconds, CHAIN_SECONDS, "Qwen/Qwen2.5-0.5B-Instruct", "--model smollm2", "local folder")
     assert not out.exists()

@@ -1,7 +1,7 @@
-"""The sweep's preflight (preflight.py, ./sweep.sh --preflight): its estimators and its predicted standard error
-against simulations of measure.baseline_error, its three exit codes and its JSON on the tiny model, the sweep it
-refuses (no run folder), a model that cannot be fetched, the informative-state count of the MC measurement, and
-the report's opening and warning."""
+"""The sweep's preflight (python -m study.preflight, ./sweep.sh --preflight): its estimators and its predicted
+standard error against simulations of measure.baseline_error, its three exit codes and its JSON on the tiny model, the
+sweep it refuses (no run folder), a model that cannot be fetched, the informative-state count of the MC measurement,
+and the report's opening and warning."""
 
 from __future__ import annotations
 
@@ -19,10 +19,8 @@ from helpers import REPO, check_one_error_line, trainer_env
 import gsm8k
 import intervals
 import measure
-import preflight
-import report
-import sweep_runner
 from plumbing import models
+from study import preflight, report, sweep_runner
 
 FIELDS = ("pass_rate", "signal", "informative", "prompts", "samples_per_prompt", "samples", "informative_prompts")
 
@@ -326,7 +324,7 @@ def test_the_toy_task_passes_the_preflight_and_writes_its_json(tmp_path):
     assert not [d for d in tmp_path.iterdir() if d.is_dir()], "the preflight made a folder"
     # the same sample asked for the default smallest effect: 2 prompt states are far too few, so it refuses
     proc = subprocess.run(
-        [sys.executable, "preflight.py", "--out", str(tmp_path / "d"), "--", *p["command"]],
+        [sys.executable, "-m", "study.preflight", "--out", str(tmp_path / "d"), "--", *p["command"]],
         cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 3, proc.stderr + proc.stdout
@@ -376,7 +374,7 @@ def test_the_dry_run_shows_the_preflight_as_the_sweep_builds_it(tmp_path):
     proc = sweep("--preflight", "--smoke", "--dry-run", "--out", out, "--", "--lr", "2e-6")
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.strip().splitlines()
-    assert "preflight.py --out" in line and " -- grpo.py --run-dir " in line and "--model tiny" in line
+    assert "-m study.preflight --out" in line and " -- grpo.py --run-dir " in line and "--model tiny" in line
     assert "--group-size 2" in line and "--task toy" in line and line.endswith("--lr 2e-6")  # smoke, then the extra
     full = sweep("--smoke", "--dry-run", "--out", out)
     assert "# preflight first: h2h/grpo-group for seed 1" in full.stdout

@@ -19,7 +19,6 @@ import pytest
 import torch
 from helpers import REPO, check_ok, check_one_error_line, cli, command, run_here, trainer_env
 
-import estimate
 from critics import HEAD_WIDTHS, build_critic
 from plumbing import (
     checkpoint,
@@ -32,6 +31,7 @@ from plumbing import (
     static_engine,
     static_kernels,
 )
+from study import estimate
 
 CPU = torch.device("cpu")
 
@@ -374,7 +374,7 @@ def test_a_model_that_cannot_be_fetched_is_one_line_before_anything_is_written(t
 def test_the_sweep_leaves_the_model_to_the_scale(tmp_path):
     """A sweep without --model passes none, so that each trainer's scale picks it (study: qwen2.5-0.5b, cpu:
     smollm2); --model given is passed on; --smoke runs the tiny model. sweep_runner in process, on sweep.sh's plan."""
-    import sweep_runner
+    from study import sweep_runner
 
     plan = (REPO / "sweep.sh").read_text().split("<<'PLAN'\n")[1].split("\nPLAN")[0]
     lines, smoke = sweep_runner.read_plan(plan)

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, check_ok, check_one_error_line, run_here
 
-import plots
-import report
+from study import plots, report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -151,7 +150,7 @@ def test_help_has_a_line_for_every_flag():
 def test_the_plan_is_read_relative_to_the_sweeps_folder_wherever_it_is(tmp_path):
     """plan.tsv names each run's folder relative to the sweep's (a sweep copied elsewhere, docs/organism among them,
     reads the same); an older plan's absolute folder is read as written."""
-    import read_runs
+    from study import read_runs
 
     out = tmp_path / "moved"
     out.mkdir()

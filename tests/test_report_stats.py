@@ -13,9 +13,7 @@ import torch
 
 import intervals
 import measure
-import plots
-import read_runs
-import report
+from study import plots, read_runs, report
 
 
 def _rows(name: str, measurements: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], k: int) -> list[dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-import report
+from study import report
 
 
 def test_results_and_first_metrics_row_name_the_rollout_backend(finished_run):

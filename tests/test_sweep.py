@@ -23,9 +23,8 @@ from helpers import REPO, check_ok, check_one_error_line, run_here, run_sweep, t
 
 import intervals
 import measure
-import report
-import sweep_runner
 from plumbing import checkpoint, rundir
+from study import report, sweep_runner
 
 CRITICS = ["none", "small", "medium", "large", "full"]
 EXPECTED = {

@@ -12,7 +12,7 @@ from typing import Any
 
 import intervals
 from plumbing import errors, rundir
-from read_runs import (
+from study.read_runs import (
     EXPERIMENTS,
     MC_BASELINE,
     finite,

@@ -13,7 +13,7 @@ smallest effect worth detecting (--smallest-effect, docs/measurement.md), 3 when
 (docs/sweep.md):
 
     ./sweep.sh --preflight                       # the plan's reference GRPO line, on this machine
-    python preflight.py --out runs/sweep -- grpo.py --model smollm2 --task gsm8k    # any GRPO command
+    python -m study.preflight --out runs/sweep -- grpo.py --model smollm2 --task gsm8k    # any GRPO command
 
 Holds: the sampling (gsm8k.encode_prompt, generation.generate, measure.mc_values, gsm8k.score: the trainers' own
 prompt, sampler, measurement and reward), the estimators, the predicted standard errors, the verdict. Does not hold:
@@ -40,7 +40,7 @@ import intervals
 import measure
 from plumbing import cmdline, distributed, errors, generation, models, rollout, rundir, runtime
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 SMALLEST_EFFECT = 0.05  # refuse when GRPO's 3-seed nmse interval at the prompt is wider than +- this (measurement.md)
 MIN_INFORMATIVE = 0.2  # report.py warns of a run whose measured prompt states have a smaller informative share
 GPU_PROMPTS, CPU_PROMPTS = 256, 8  # the default sample: 256 x G on a GPU, a handful on the CPU
@@ -49,8 +49,9 @@ EXIT_NO_SIGNAL = 3
 
 @dataclass
 class Args:
-    """python preflight.py [OPTIONS] -- grpo.py [its flags]: the GRPO command after --, as the sweep would run it (./sweep.sh
-    --preflight builds it from the plan). Exit 0: enough signal; 3: refused; 2: a bad command."""
+    """python -m study.preflight [OPTIONS] -- grpo.py [its flags], from the repository's root: the GRPO command after
+    --, as the sweep would run it (./sweep.sh --preflight builds it from the plan). Exit 0: enough signal; 3: refused;
+    2: a bad command."""
 
     out: str = "runs/sweep"
     """folder for preflight.json (the sweep's --out)"""
@@ -318,7 +319,7 @@ def trainer_settings(command: Sequence[str]) -> dict:
         given = f" (got {command[0]})" if command else ""
         raise errors.UserError(
             f"give a trainer's command after --, one of {', '.join(TRAINERS)} of this repository{given}: "
-            "python preflight.py -- grpo.py --model tiny"
+            "python -m study.preflight -- grpo.py --model tiny"
         )
     import dpo  # the trainers sit a layer below the preflight (tests/test_layout.py): their Args and CPU presets
     import grpo
@@ -448,7 +449,7 @@ def preflight(a: Args, command: Sequence[str]) -> tuple[bool, dict]:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
-    a = cmdline.parse_args(Args, argv[:cut])
+    a = cmdline.parse(Args, Args(), argv[:cut], prog="python -m study.preflight")
     passed, stats = preflight(a, argv[cut + 1 :])
     print(stats["verdict"], flush=True)
     if not passed:

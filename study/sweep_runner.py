@@ -29,7 +29,7 @@ import tyro
 from plumbing import cmdline, rundir
 from plumbing.errors import UserError
 
-REPO = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("PYTHON") or sys.executable
 
 # ======================================================================================================
@@ -174,8 +174,8 @@ def help_text(plan: str, lines: list[tuple[str, str, str, list[str]]], default: 
         "and three plots). Each trainer's command is its plan line's, with the sweep's --run-dir, --seed, --model, "
         "--scale and --no-progress; the flags after -- (./sweep.sh [OPTIONS] -- FLAGS) come last in every command, "
         "so they win.",
-        "The preflight first (preflight.py, on this machine; reused from OUT/preflight.json when its command is the "
-        "same): it samples the reference GRPO line (--budget-from) with the sweep's settings and predicts the "
+        "The preflight first (study/preflight.py, on this machine; reused from OUT/preflight.json when its command is "
+        "the same): it samples the reference GRPO line (--budget-from) with the sweep's settings and predicts the "
         "half-width of the report's 3-seed interval of GRPO's nmse at the prompt. When that is wider than the "
         f"smallest effect worth detecting ({SMALLEST_EFFECT:g}, preflight.py's --smallest-effect; --smoke asks for "
         "none, only some signal), or cannot be predicted (no prompt with 0 < p < 1), the sweep stops with exit status "
@@ -411,7 +411,7 @@ def preflight_command(
     e, name, script, flags = found[0]
     run = Run(e, name, o.seeds[0], script, flags, o.out / e / f"{name}-s{o.seeds[0]}")
     trainer = command(o, run, smoke, None)
-    cmd = [PYTHON, str(REPO / "preflight.py"), "--out", str(o.out)]
+    cmd = [PYTHON, "-m", "study.preflight", "--out", str(o.out)]  # from the repository root (cwd=REPO)
     cmd += ["--prompts", str(o.preflight_prompts)] if o.preflight_prompts else []
     # --smoke: its measurement (2 prompt states) tells no effect apart; the preflight checks that there is signal
     cmd += ["--smallest-effect", "0"] if o.smoke else []
@@ -698,7 +698,7 @@ def main(argv: list[str]) -> int:
     plan = "" if sys.stdin.isatty() else sys.stdin.read()
     lines, smoke = read_plan(plan)
     if not lines:
-        raise UserError("sweep_runner.py reads its plan from sweep.sh on stdin: run ./sweep.sh")
+        raise UserError("study/sweep_runner.py reads its plan from sweep.sh on stdin: run ./sweep.sh")
     o = parse_args(argv, list(dict.fromkeys(e for e, *_ in lines)), plan)
     if o.report_only:
         return report(o)

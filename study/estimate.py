@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from plumbing import errors, models
-from read_runs import finite, fmt_num, fmt_time, mean, sort_key
+from study.read_runs import finite, fmt_num, fmt_time, mean, sort_key
 
 # ======================================================================================================
 # The full sweep's duration from measured step times
