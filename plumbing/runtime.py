@@ -219,14 +219,32 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _bound(x: float) -> str:
+    """A range's end as a reader writes it: 0, 1, 2^63 - 1 (the seed's), 0.5."""
+    if x == SEED_MAX:
+        return "2^63 - 1"
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def range_words(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False) -> str:
+    """A range in words: "0 or more", "more than 0", "from 0 to 1", "more than 0 and at most 1"."""
+    lo, hi = _bound(low), _bound(high)
+    if high == math.inf:
+        return f"more than {lo}" if low_open else f"{lo} or more"
+    if not (low_open or high_open):
+        return f"from {lo} to {hi}"
+    return f"{'more than' if low_open else 'at least'} {lo} and {'less than' if high_open else 'at most'} {hi}"
+
+
 def check_range(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False,
-                high_open: bool = False, what: str = "") -> None:  # fmt: skip
-    """One flag in [low, high] (open ends where asked), finite; else a UserError naming it and the range."""
-    ok = _is_number(value) and (isinstance(value, int) or math.isfinite(value))  # an int of any size is finite
-    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+                high_open: bool = False) -> None:  # fmt: skip
+    """One flag in its range (open ends where asked), finite; else a UserError naming it, its value and the range
+    in words: "--total-steps -3: must be 0 or more"."""
+    finite = _is_number(value) and (isinstance(value, int) or math.isfinite(value))  # an int of any size is finite
+    ok = finite and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
-        lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
-        raise UserError(f"{_flag(name)} {value} must be {what or 'a finite number'} in {lo}{low}, {high}{hi}")
+        words = range_words(low, high, low_open=low_open, high_open=high_open)
+        raise UserError(f"{_flag(name)} {value}: must be {'' if finite else 'a finite number '}{words}")
 
 
 def check_ranges(
@@ -243,11 +261,11 @@ def check_ranges(
     positive: sizes, counts, learning rates, temperatures (> 0, finite); non_negative: counts where 0 means
     'off' or 'all', coefficients (>= 0, finite); probability: (0, 1]; unit: [0, 1]; seeds: 0 .. 2^63 - 1."""
     kinds = [
-        (positive, "positive", dict(low=0, low_open=True, what="positive")),
-        (non_negative, "non_negative", dict(low=0, what="zero or positive")),
-        (probability, "probability", dict(low=0, high=1, low_open=True, what="a probability")),
-        (unit, "unit", dict(low=0, high=1, what="a number")),
-        (seeds, "seeds", dict(low=0, high=SEED_MAX, what="an integer")),
+        (positive, "positive", dict(low=0, low_open=True)),
+        (non_negative, "non_negative", dict(low=0)),
+        (probability, "probability", dict(low=0, high=1, low_open=True)),
+        (unit, "unit", dict(low=0, high=1)),
+        (seeds, "seeds", dict(low=0, high=SEED_MAX)),
     ]
     for names, kind, kw in kinds:
         for name in (*SHARED_RANGES.get(kind, ()), *names):
