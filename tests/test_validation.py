@@ -187,3 +187,10 @@ def test_a_validation_split_larger_than_train_is_refused_with_the_train_size():
     with pytest.raises(errors.UserError) as e:
         gsm8k.load_gsm8k(str(data), n)
     assert str(e.value) == f"--val-size {n}: must be from 0 to {n - 1} (the train split holds {n} problems)"
+
+
+def test_a_model_folder_that_does_not_exist_is_named_as_missing(tmp_path):
+    run_dir = tmp_path / "run"
+    missing = tmp_path / "no-such-model"
+    proc = run_here("ppo.py", args_for("ppo.py", run_dir, **{**BASE["ppo.py"], "model": str(missing)}))
+    assert expect_refused(proc, run_dir, "--model") == f"error: --model {missing}: no such folder"
