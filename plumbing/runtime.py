@@ -41,7 +41,7 @@ from plumbing.errors import (
     UserError,
     WriteFailed,
 )
-from plumbing.models import MODEL_SETTINGS
+from plumbing.models import MODEL_SETTINGS, ORGANISM
 
 # ======================================================================================================
 # The run's state in this process: one place, begun afresh where a run starts (run_main)
@@ -171,7 +171,8 @@ def cli(cls: type[T], cpu: dict[str, dict[str, Any]], args: Sequence[str] | None
         study = dataclasses.replace(study, **model_settings(cls, cmdline.flag_value(flags, "model", study.model)))
         return cmdline.parse(cls, study, flags), []  # a bad --scale or --device is tyro's to refuse
     preset = cpu_preset(cls, cpu, cmdline.flag_value(flags, "model", None))
-    out = cmdline.parse(cls, preset, flags)
+    description = f"{cmdline.help_opening(cls)}\n\n{cmdline.fill(preset_note(preset.model, scale))}"
+    out = cmdline.parse(cls, preset, flags, description=description)
     given = cmdline.given_fields(cls, flags)
     changed = [
         f"{f.name} {getattr(study, f.name)} -> {getattr(preset, f.name)}"
@@ -179,6 +180,20 @@ def cli(cls: type[T], cpu: dict[str, dict[str, Any]], args: Sequence[str] | None
         if f.name not in given and getattr(study, f.name) != getattr(preset, f.name)
     ]
     return out, changed
+
+
+def preset_note(model: str, scale: str) -> str:
+    """--help's second paragraph under a CPU preset: its defaults are not the study's, and (the organism's) not
+    GSM8K either."""
+    why = "No GPU here" if scale == "auto" else "--scale cpu"
+    if model == ORGANISM:
+        what = (
+            "the CPU preset, the model organism (organism.py: a 0.6M-parameter model of multi-step arithmetic in "
+            "GSM8K's format), not GSM8K"
+        )
+    else:
+        what = f"the CPU preset of --model {model}"
+    return f"{why}: the defaults below are {what}; --scale study shows the study's."
 
 
 def cpu_preset(cls: type[T], cpu: dict[str, dict[str, Any]], model: str | None = None) -> T:

@@ -72,6 +72,34 @@ def test_help_opens_with_what_the_script_does(script, monkeypatch, capsys):
         assert all(len(line) <= columns for line in opening), f"the opening runs past {columns} columns: {opening}"
 
 
+def opening_of(script: str, flags: list[str], monkeypatch, capsys, gpu: bool = False) -> str:
+    """The help's text above its options, joined into one line: what `python script FLAGS --help` says first."""
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    module = importlib.import_module(script.removesuffix(".py"))
+    with pytest.raises(SystemExit):
+        runtime.cli(module.Args, module.CPU_SCALE, [*flags, "--help"])
+    text = capsys.readouterr().out.split("-h, --help")[0].split(" options")[0]
+    return " ".join(line for line in text.splitlines()[1:] if line.strip()).replace("  ", " ").strip()
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
+def test_help_says_first_that_the_cpu_preset_runs_the_organism(script, monkeypatch, capsys):
+    """Without a GPU the defaults --help shows are the CPU preset's (the organism, its learning rate and batch):
+    the opening says so before the first option, and how to see the study's; with a GPU, or --scale study, the
+    defaults are the study's and no such sentence is there; --model smollm2 names its own preset, not the organism."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    said = " ".join(opening_of(script, [], monkeypatch, capsys).split())
+    assert said.startswith(first_line(module.__doc__)), said
+    assert "No GPU here: the defaults below are the CPU preset, the model organism" in said, said
+    assert "not GSM8K" in said and "--scale study" in said, said
+    for flags, gpu in (([], True), (["--scale", "study"], False)):
+        said = " ".join(opening_of(script, flags, monkeypatch, capsys, gpu).split())
+        assert "CPU preset" not in said and "organism" not in said, (flags, gpu, said)
+    said = " ".join(opening_of(script, ["--model", "smollm2"], monkeypatch, capsys).split())
+    assert "the CPU preset of --model smollm2" in said and "organism" not in said, said
+
+
 def help_problems(text: str) -> list[str]:
     """An argument that shows "(default:" twice, and a description broken onto a new line where the next word would
     have fitted: tyro fills each line of the description's column, so a break in the middle of a phrase (a
