@@ -2,6 +2,7 @@
 
 Each function takes matplotlib's pyplot (imported by the caller, report.py, only when installed) and the runs as
 read_runs.py reads them, and writes one PNG. Does not hold: reading runs (read_runs.py), the tables (report.py).
+Imports grpo.py for one number only: the study's group size G, the 1/(G-1) a run without a group is read against.
 """
 
 from __future__ import annotations
