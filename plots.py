@@ -2,7 +2,8 @@
 
 Each function takes matplotlib's pyplot (imported by the caller, report.py, only when installed) and the runs as
 read_runs.py reads them, and writes one PNG. Does not hold: reading runs (read_runs.py), the tables (report.py).
-Imports grpo.py for one number only: the study's group size G, the 1/(G-1) a run without a group is read against.
+Reads one number of grpo.py's (its study's group size G, the 1/(G-1) a run without a group is read against) from
+its source, as cmdline.trainer_default does, without importing it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import grpo
 import intervals
-from plumbing import errors, rundir
+from plumbing import cmdline, errors, rundir
 from read_runs import (
     EXPERIMENTS,
     MC_BASELINE,
@@ -438,7 +438,9 @@ BASELINE_NAMES = {
     "group": "GRPO's group mean with its own reward",
 }
 POINTS = "a point: one measurement (its metrics row logs sums over its prompts, not their spread: no interval)"
-STUDY_GROUP = grpo.Args.group_size  # GRPO's G in the study, the reference for a run that has no group of its own
+# GRPO's G in the study (grpo.py's default, read from its source: no study tool imports a trainer), the reference for a
+# run that has no group of its own
+STUDY_GROUP = cmdline.trainer_default("grpo.py", "group_size")
 
 
 def run_method(res: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:

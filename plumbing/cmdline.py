@@ -3,7 +3,7 @@
 Holds: parse (tyro with a given instance as its defaults; a bad flag or value a UserError of one line, not tyro's box),
 parse_args (the same with the class's own defaults), help_opening and fill (--help's first paragraph, any paragraph),
 tyro_message (tyro's error box as one line), flag_value and given_fields (what the flags say before tyro parses them),
-trainer_flags and foreign_flags (a flag one trainer lacks and another has: named as the other's).
+trainer_flags and foreign_flags (a flag one trainer lacks and another has: named as the other's), trainer_default.
 Does not hold: the trainers' two presets and the device they depend on (runtime.cli), any script's Args. Imports
 errors only: the trainers' flags are read from their source files (ast), never imported.
 """
@@ -84,17 +84,25 @@ TRAINERS = ("ppo.py", "grpo.py", "dpo.py")
 
 
 @functools.cache
-def trainer_flags(script: str) -> frozenset[str]:
-    """The fields of a trainer's Args that are flags (not tyro.conf.Suppress), read from its source with ast."""
+def _trainer_fields(script: str) -> dict[str, ast.AnnAssign]:
+    """The fields of a trainer's Args, read from its source with ast: name -> its line."""
     tree = ast.parse((ROOT / script).read_text())
     args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
-    return frozenset(
-        n.target.id
-        for n in args.body
-        if isinstance(n, ast.AnnAssign)
-        and isinstance(n.target, ast.Name)
-        and "Suppress" not in ast.unparse(n.annotation)
-    )
+    return {n.target.id: n for n in args.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def trainer_flags(script: str) -> frozenset[str]:
+    """The fields of a trainer's Args that are flags (not tyro.conf.Suppress)."""
+    return frozenset(k for k, n in _trainer_fields(script).items() if "Suppress" not in ast.unparse(n.annotation))
+
+
+def trainer_default(script: str, name: str) -> Any:
+    """A trainer's study default of one field (its Args's literal), for a module that may not import the trainer
+    (the study's figures: GRPO's group size)."""
+    value = _trainer_fields(script)[name].value
+    if value is None:
+        raise KeyError(f"{script}'s Args.{name} has no default")
+    return ast.literal_eval(value)
 
 
 def foreign_flags(cls: type, flags: Sequence[str]) -> dict[str, list[str]]:

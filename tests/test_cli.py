@@ -106,10 +106,12 @@ def test_a_flag_no_trainer_has_is_tyros_refusal_alone(tmp_path):
 @pytest.mark.parametrize("script", cmdline.TRAINERS)
 def test_the_trainers_flags_read_from_source_are_their_args(script):
     """cmdline reads each trainer's flags from its source (it may not import a trainer): the same as its Args's
-    fields, less those filled at runtime (tyro.conf.Suppress, not flags)."""
+    fields, less those filled at runtime (tyro.conf.Suppress, not flags); and their defaults."""
     module = importlib.import_module(script.removesuffix(".py"))
     fields = {f.name for f in dataclasses.fields(module.Args) if "Suppress" not in str(f.type)}
     assert cmdline.trainer_flags(script) == fields
+    for f in dataclasses.fields(module.Args):  # and each default, as the study's figures read one
+        assert cmdline.trainer_default(script, f.name) == f.default, f.name
 
 
 def test_the_scale_picks_a_preset_and_flags_given_win(monkeypatch):
