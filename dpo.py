@@ -286,7 +286,7 @@ def main() -> None:
             "data": f"{data} ({data_used['folder']}), task {args.task}",
             "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),
         }
-        print(logs.describe_run(METHOD.upper(), args, dist_, banner, scaled), flush=True)
+        print(logs.describe_run(METHOD.upper(), args, dist_, banner, scaled, run_dir, data_used["folder"]), flush=True)
     stopper = runtime.StopSignal()
     logger = logs.MetricsLogger(
         run_dir, dist_.main, resume_step=counters["step"] if args.resume else None,

@@ -198,7 +198,8 @@ def load_gsm8k(
         if not rows:
             raise errors.UserError(f"the GSM8K {split} split is empty")
     if not 0 <= val_size < len(splits["train"]):
-        raise errors.UserError(f"--val-size {val_size} must be in [0, {len(splits['train'])})")
+        n = len(splits["train"])
+        raise errors.UserError(f"--val-size {val_size}: must be from 0 to {n - 1} (the train split holds {n} problems)")
     order = list(range(len(splits["train"])))
     random.Random(val_seed).shuffle(order)
     val_idx = set(order[:val_size])

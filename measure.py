@@ -300,7 +300,7 @@ def check_measurement(args: Any, world: int) -> None:
         raise errors.UserError(
             f"--mc-samples {args.mc_samples} must be at least 2 (the noise correction divides by K - 1)"
         )
-    runtime.check_range("mc_prompts", args.mc_prompts, 0, low_open=True, what="positive")
+    runtime.check_range("mc_prompts", args.mc_prompts, 0, low_open=True)
     runtime.check_divides("--mc-prompts", args.mc_prompts, world, "the world size")
     if args.mc_prompts > args.batch_size:
         raise errors.UserError(f"--mc-prompts {args.mc_prompts} exceeds --batch-size {args.batch_size}")

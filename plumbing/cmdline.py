@@ -2,21 +2,25 @@
 
 Holds: parse (tyro with a given instance as its defaults; a bad flag or value a UserError of one line, not tyro's box),
 parse_args (the same with the class's own defaults), help_opening and fill (--help's first paragraph, any paragraph),
-tyro_message (tyro's error box as one line), flag_value and given_fields (what the flags say before tyro parses them).
+tyro_message (tyro's error box as one line), flag_value and given_fields (what the flags say before tyro parses them),
+trainer_flags and foreign_flags (a flag one trainer lacks and another has: named as the other's), trainer_default.
 Does not hold: the trainers' two presets and the device they depend on (runtime.cli), any script's Args. Imports
-errors only.
+errors only: the trainers' flags are read from their source files (ast), never imported.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import functools
 import io
 import re
 import shutil
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from plumbing.errors import UserError
@@ -65,11 +69,78 @@ def parse(cls: type[T], default: T, args: Sequence[str] | None, **tyro_options: 
             out = tyro.cli(cls, default=default, args=args, **tyro_options)
     except SystemExit as e:
         if e.code == 2:  # tyro printed an error box and exits 2: its message, as one line
-            raise UserError(tyro_message(err.getvalue())) from None
+            flags = list(sys.argv[1:] if args is None else args)
+            raise UserError(with_foreign_flags(tyro_message(err.getvalue()), cls, flags)) from None
         sys.stderr.write(err.getvalue())
         raise
     sys.stderr.write(err.getvalue())  # tyro's warnings, if any
     return out
+
+
+# The trainers, at the repository's root: a flag one of them lacks and another has is named as the other's. Their
+# flags are read from their source, as this module may import none of them (nor torch, which they import).
+ROOT = Path(__file__).resolve().parents[1]
+TRAINERS = ("ppo.py", "grpo.py", "dpo.py")
+
+
+@functools.cache
+def _trainer_fields(script: str) -> dict[str, ast.AnnAssign]:
+    """The fields of a trainer's Args, read from its source with ast: name -> its line."""
+    tree = ast.parse((ROOT / script).read_text())
+    args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+    return {n.target.id: n for n in args.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def trainer_flags(script: str) -> frozenset[str]:
+    """The fields of a trainer's Args that are flags (not tyro.conf.Suppress)."""
+    return frozenset(k for k, n in _trainer_fields(script).items() if "Suppress" not in ast.unparse(n.annotation))
+
+
+def trainer_default(script: str, name: str) -> Any:
+    """A trainer's study default of one field (its Args's literal), for a module that may not import the trainer
+    (the study's figures: GRPO's group size)."""
+    value = _trainer_fields(script)[name].value
+    if value is None:
+        raise KeyError(f"{script}'s Args.{name} has no default")
+    return ast.literal_eval(value)
+
+
+def foreign_flags(cls: type, flags: Sequence[str]) -> dict[str, list[str]]:
+    """The flags given that cls (a trainer's Args) has not and other trainers have: {flag as given: "ppo.py's", ...}.
+    Empty for a script that is not a trainer."""
+    module = sys.modules.get(cls.__module__)
+    this = Path(getattr(module, "__file__", "") or "").name
+    if this not in TRAINERS or (ROOT / this) != Path(module.__file__).resolve():
+        return {}
+    own = {f.name for f in dataclasses.fields(cls)}
+    out: dict[str, list[str]] = {}
+    for flag in flags:
+        if not flag.startswith("--"):
+            continue
+        name = flag[2:].partition("=")[0]
+        key = name.replace("-", "_")
+        if key in own or (key.startswith("no_") and key[3:] in own):
+            continue
+        owners = [f"{t}'s" for t in TRAINERS if t != this and {key, key.removeprefix("no_")} & trainer_flags(t)]
+        if owners:
+            out["--" + name] = owners
+    return out
+
+
+def with_foreign_flags(message: str, cls: type, flags: Sequence[str]) -> str:
+    """tyro's one-line refusal, led by whose flags the other trainers' are ("--critic is ppo.py's flag, not
+    grpo.py's"); its list of unrecognized options loses them and their values, and goes where nothing is left."""
+    foreign = foreign_flags(cls, flags)
+    if not foreign:
+        return message
+    this = Path(sys.modules[cls.__module__].__file__).name
+    said = "; ".join(f"{flag} is {' and '.join(owners)} flag, not {this}'s" for flag, owners in foreign.items())
+    head, _, listed = message.partition(": ")
+    if head != "Unrecognized options":
+        return f"{said}; {message}"
+    values = {flags[i + 1] for i, f in enumerate(flags[:-1]) if f.split("=")[0] in foreign and "=" not in f}
+    rest = [o for o in listed.split(", ") if o.split("=")[0] not in foreign and o not in values]
+    return f"{said}; {head}: {', '.join(rest)}" if rest else said
 
 
 def parse_args(cls: type[T], args: Sequence[str] | None = None) -> T:

@@ -43,22 +43,53 @@ BANNER_WIDTH = 120
 ON_GSM8K = "--model smollm2 runs GSM8K on the packaged SmolLM2-135M (the pipeline; it solves 0.6%)"
 
 
-def describe_run(title: str, args: Any, dist_: Dist, extra: dict[str, Any], scaled: list[str]) -> str:
+# The settings whose 0 or None stands for something other than that number (their Args docstrings say what): the
+# banner shows what the run does, for a reader takes test_size=0 for no test problems and token_budget=0 for none
+MEANINGS: dict[str, dict[Any, str]] = {
+    "test_size": {0: "all"},
+    "eval_size": {0: "all"},
+    "token_budget": {0: "none"},
+    "mc_every": {0: "never"},
+    "eval_every": {0: "end-only"},
+    "save_every": {0: "end-only"},
+    "vf_clip": {0: "off"},
+    "wandb_entity": {None: "default"},
+}
+FALLBACKS = {"clip_eps_high": "clip_eps"}  # None: the value of that other setting
+
+
+def setting_value(args: Any, name: str, resolved: dict[str, Any]) -> Any:
+    """What the banner shows for a setting: the value the trainer resolved it to (resolved: the run folder, the data
+    folder), what its 0 or None means (MEANINGS, FALLBACKS), else its value."""
+    if name in resolved:
+        return resolved[name]
+    value = getattr(args, name)
+    if value is None and name in FALLBACKS:
+        return getattr(args, FALLBACKS[name])
+    meanings = MEANINGS.get(name, {})
+    return meanings[value] if not isinstance(value, bool) and value in meanings else value
+
+
+def describe_run(
+    title: str, args: Any, dist_: Dist, extra: dict[str, Any], scaled: list[str], run_dir: Path | None = None,
+    data_folder: str | None = None,
+) -> str:  # fmt: skip
     """The banner every trainer prints first, each line at most BANNER_WIDTH characters (a longer word alone on its
     line): the device, what the trainer says of its run (extra: the model, the method, the data, the run folder),
-    what the CPU preset changed, and every setting, `name=value`, grouped as Args groups them, one group a line."""
+    what the CPU preset changed, and every setting, `name=value`, grouped as Args groups them, one group a line;
+    each value as the run uses it (setting_value), run_dir and data_dir the folders the trainer resolved them to."""
+    resolved = {k: v for k, v in (("run_dir", run_dir), ("data_dir", data_folder)) if v is not None}
     wrap = dict(width=BANNER_WIDTH, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
     lines = [f"== {title} ==", f"device: {dist_.device} x {dist_.world} process(es), dtype: {dtype_name(dist_.device)}"]
     lines += [textwrap.fill(f"{k}: {v}", **wrap) for k, v in extra.items()]
     if args.model == ORGANISM and any(s.startswith("model ") for s in scaled):  # the CPU preset chose it: say so
-        lines.insert(
-            1, f"no GPU: the model organism (organism.py, arithmetic in GSM8K's format), not GSM8K; {ON_GSM8K}"
-        )
+        note = f"no GPU: the model organism (organism.py, arithmetic in GSM8K's format), not GSM8K; {ON_GSM8K}"
+        lines.insert(1, textwrap.fill(note, **wrap))
     if scaled:
         lines += _fill("CPU preset (no GPU; --scale study runs the study's settings):", scaled, ",", "    ")
     lines.append("settings:")
     for group, names in setting_groups(type(args)):
-        lines += _fill(f"  {group}:", [f"{n}={getattr(args, n)}" for n in names], "", "    ")
+        lines += _fill(f"  {group}:", [f"{n}={setting_value(args, n, resolved)}" for n in names], "", "    ")
     return "\n".join(lines)
 
 

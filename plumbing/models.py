@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -121,25 +122,39 @@ def _set_pad_token(tokenizer: Any, config: Any = None) -> None:
     tokenizer.padding_side = "left"
 
 
+# a hub repository id: owner/name, one /, each part a letter or digit then letters, digits, - _ . (the hub's rule)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def is_path(name: str) -> bool:
+    """Whether --model names a path on this machine rather than a short name or a hub id: a leading /, . or ~, a
+    .gguf ending, or a / that does not make it owner/name (two or more, or a part empty)."""
+    return name.startswith(("/", ".", "~")) or name.endswith(".gguf") or ("/" in name and not HUB_ID.fullmatch(name))
+
+
 def resolve_model(name: str) -> Path | str:
     """Where the weights of --model come from: a local folder, a cached GGUF conversion, the organism's cached build,
-    or a hub id (SHORT_NAMES)."""
+    or a hub id (SHORT_NAMES). A path (is_path) that does not exist is refused as missing, naming where it was looked
+    for; an owner/name that is no folder here is a hub id."""
     if name == ORGANISM:
         return organism_folder() / "model"
     if name in (PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2):
         return _dequantised_cache(packaged_gguf_path())
     if name in SHORT_NAMES:
         return SHORT_NAMES[name]
-    path = Path(name)
-    if name.endswith(".gguf"):
-        if not path.is_file():
-            raise UserError(f"GGUF file {name} does not exist")
+    path = Path(name).expanduser()
+    if path.is_file():
+        if not name.endswith(".gguf"):
+            raise UserError(f"--model {name} is a file, not a model folder or a .gguf file")
         return _dequantised_cache(path)
     if path.exists():
         if not (path / "config.json").is_file():
             raise UserError(f"{name} is a folder without config.json: not a model")
         return path
-    if name.count("/") == 1 and not name.startswith((".", "/")):
+    if is_path(name):
+        where = f" ({path.absolute()})" if str(path.absolute()) != name else ""
+        raise UserError(f"--model {name}: no such {'file' if name.endswith('.gguf') else 'folder'}{where}")
+    if HUB_ID.fullmatch(name):
         return name  # a hub id; loading it needs the network
     names = ", ".join([ORGANISM, PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2, *SHORT_NAMES])
     raise UserError(f"unknown model {name!r}: give {names}, a hub id, a local folder or a .gguf file")

@@ -41,7 +41,7 @@ from plumbing.errors import (
     UserError,
     WriteFailed,
 )
-from plumbing.models import MODEL_SETTINGS
+from plumbing.models import MODEL_SETTINGS, ORGANISM
 
 # ======================================================================================================
 # The run's state in this process: one place, begun afresh where a run starts (run_main)
@@ -171,7 +171,8 @@ def cli(cls: type[T], cpu: dict[str, dict[str, Any]], args: Sequence[str] | None
         study = dataclasses.replace(study, **model_settings(cls, cmdline.flag_value(flags, "model", study.model)))
         return cmdline.parse(cls, study, flags), []  # a bad --scale or --device is tyro's to refuse
     preset = cpu_preset(cls, cpu, cmdline.flag_value(flags, "model", None))
-    out = cmdline.parse(cls, preset, flags)
+    description = f"{cmdline.help_opening(cls)}\n\n{cmdline.fill(preset_note(preset.model, scale))}"
+    out = cmdline.parse(cls, preset, flags, description=description)
     given = cmdline.given_fields(cls, flags)
     changed = [
         f"{f.name} {getattr(study, f.name)} -> {getattr(preset, f.name)}"
@@ -179,6 +180,20 @@ def cli(cls: type[T], cpu: dict[str, dict[str, Any]], args: Sequence[str] | None
         if f.name not in given and getattr(study, f.name) != getattr(preset, f.name)
     ]
     return out, changed
+
+
+def preset_note(model: str, scale: str) -> str:
+    """--help's second paragraph under a CPU preset: its defaults are not the study's, and (the organism's) not
+    GSM8K either."""
+    why = "No GPU here" if scale == "auto" else "--scale cpu"
+    if model == ORGANISM:
+        what = (
+            "the CPU preset, the model organism (organism.py: a 0.6M-parameter model of multi-step arithmetic in "
+            "GSM8K's format), not GSM8K"
+        )
+    else:
+        what = f"the CPU preset of --model {model}"
+    return f"{why}: the defaults below are {what}; --scale study shows the study's."
 
 
 def cpu_preset(cls: type[T], cpu: dict[str, dict[str, Any]], model: str | None = None) -> T:
@@ -219,14 +234,32 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _bound(x: float) -> str:
+    """A range's end as a reader writes it: 0, 1, 2^63 - 1 (the seed's), 0.5."""
+    if x == SEED_MAX:
+        return "2^63 - 1"
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def range_words(low: float, high: float = math.inf, *, low_open: bool = False, high_open: bool = False) -> str:
+    """A range in words: "0 or more", "more than 0", "from 0 to 1", "more than 0 and at most 1"."""
+    lo, hi = _bound(low), _bound(high)
+    if high == math.inf:
+        return f"more than {lo}" if low_open else f"{lo} or more"
+    if not (low_open or high_open):
+        return f"from {lo} to {hi}"
+    return f"{'more than' if low_open else 'at least'} {lo} and {'less than' if high_open else 'at most'} {hi}"
+
+
 def check_range(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False,
-                high_open: bool = False, what: str = "") -> None:  # fmt: skip
-    """One flag in [low, high] (open ends where asked), finite; else a UserError naming it and the range."""
-    ok = _is_number(value) and (isinstance(value, int) or math.isfinite(value))  # an int of any size is finite
-    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+                high_open: bool = False) -> None:  # fmt: skip
+    """One flag in its range (open ends where asked), finite; else a UserError naming it, its value and the range
+    in words: "--total-steps -3: must be 0 or more"."""
+    finite = _is_number(value) and (isinstance(value, int) or math.isfinite(value))  # an int of any size is finite
+    ok = finite and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
-        lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
-        raise UserError(f"{_flag(name)} {value} must be {what or 'a finite number'} in {lo}{low}, {high}{hi}")
+        words = range_words(low, high, low_open=low_open, high_open=high_open)
+        raise UserError(f"{_flag(name)} {value}: must be {'' if finite else 'a finite number '}{words}")
 
 
 def check_ranges(
@@ -243,11 +276,11 @@ def check_ranges(
     positive: sizes, counts, learning rates, temperatures (> 0, finite); non_negative: counts where 0 means
     'off' or 'all', coefficients (>= 0, finite); probability: (0, 1]; unit: [0, 1]; seeds: 0 .. 2^63 - 1."""
     kinds = [
-        (positive, "positive", dict(low=0, low_open=True, what="positive")),
-        (non_negative, "non_negative", dict(low=0, what="zero or positive")),
-        (probability, "probability", dict(low=0, high=1, low_open=True, what="a probability")),
-        (unit, "unit", dict(low=0, high=1, what="a number")),
-        (seeds, "seeds", dict(low=0, high=SEED_MAX, what="an integer")),
+        (positive, "positive", dict(low=0, low_open=True)),
+        (non_negative, "non_negative", dict(low=0)),
+        (probability, "probability", dict(low=0, high=1, low_open=True)),
+        (unit, "unit", dict(low=0, high=1)),
+        (seeds, "seeds", dict(low=0, high=SEED_MAX)),
     ]
     for names, kind, kw in kinds:
         for name in (*SHARED_RANGES.get(kind, ()), *names):

@@ -2,21 +2,25 @@
 
 Each function takes matplotlib's pyplot (imported by the caller, report.py, only when installed) and the runs as
 read_runs.py reads them, and writes one PNG. Does not hold: reading runs (read_runs.py), the tables (report.py).
+Reads one number of grpo.py's (its study's group size G, the 1/(G-1) a run without a group is read against) from
+its source, as cmdline.trainer_default does, without importing it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import intervals
-from plumbing import errors, rundir
+from plumbing import cmdline, errors, rundir
 from study.read_runs import (
     EXPERIMENTS,
     MC_BASELINE,
     finite,
     fmt_pct,
+    mc_summary,
     mean,
     nmse_interval,
     read_metrics,
@@ -370,10 +374,11 @@ RUN_PLOT = "curves.png"
 def run_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
     """A run's curves from its metrics.jsonl rows, each {"step": [...], "y": [...]} (validation accuracy also "lo",
     "hi": its 95% interval): reward, val accuracy, kl_ref, the baseline's nmse (mc/value for PPO, mc/loo for GRPO;
-    its group mean beside it), generated training tokens. A curve nothing logged is empty; the last row of a step
-    wins (a resumed run logs its final evaluation again)."""
+    its group mean beside it) over every measured state and (name_prompt) at the prompt states alone, generated
+    training tokens. A curve nothing logged is empty; the last row of a step wins (a resumed run logs its final
+    evaluation again)."""
     keys = {"reward": "reward", "kl": "kl_ref", "tokens": "generated_tokens", "tokens_per_s": "tokens_per_s"}
-    keys.update({f"nmse {name}": f"mc/{name}/nmse" for name in ("value", "loo", "group")})
+    keys.update({f"nmse {name}": f"mc/{name}/nmse" for name in ("value", "loo", "group", "value_prompt", "loo_prompt")})
     by_step: dict[str, dict[int, float]] = {name: {} for name in [*keys, "val", "val_lo", "val_hi"]}
     for r in rows:
         s = int(r["step"])
@@ -391,6 +396,14 @@ def run_series(rows: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
     out["val"]["lo"] = [by_step["val_lo"][s] for s in out["val"]["step"]]
     out["val"]["hi"] = [by_step["val_hi"][s] for s in out["val"]["step"]]
     return out
+
+
+def run_results(run_dir: Path) -> dict[str, Any] | None:
+    """results.json of a finished run, else None."""
+    try:
+        return rundir.read_results(run_dir / "results.json")
+    except (errors.UserError, KeyError, TypeError, ValueError):
+        return None
 
 
 def run_title(run_dir: Path) -> str:
@@ -418,25 +431,112 @@ def empty_panel_note(rows: list[dict], keys: Sequence[str]) -> str:
     return "logged, never a finite number"
 
 
-def plot_run(plt: Any, run_dir: Path) -> Path:
-    """run_dir's curves against the step (run_series) in one PNG beside its metrics.jsonl; returns its path."""
+# the baselines a run measures (measure.monte_carlo's names), as its legend says them
+BASELINE_NAMES = {
+    "value": "PPO's baseline V(s_t)",
+    "loo": "GRPO's leave-one-out group mean",
+    "group": "GRPO's group mean with its own reward",
+}
+POINTS = "a point: one measurement (its metrics row logs sums over its prompts, not their spread: no interval)"
+# GRPO's G in the study (grpo.py's default, read from its source: no study tool imports a trainer), the reference for a
+# run that has no group of its own
+STUDY_GROUP = cmdline.trainer_default("grpo.py", "group_size")
+
+
+def run_method(res: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:
+    """The run's method: results.json's, or (a run still going) what its measurements say (GRPO logs mc/loo)."""
+    if res and res.get("method"):
+        return str(res["method"])
+    return "grpo" if any("mc/loo/nmse" in r for r in rows) else "ppo"
+
+
+def reference_group(run_dir: Path, res: dict[str, Any] | None, method: str) -> tuple[int, str]:
+    """G for GRPO's 1/(G-1) line and whose it is: a GRPO run's own (results.json's args, or a running run's
+    checkpoint/args.json), else the study's GRPO (STUDY_GROUP)."""
+    args = (res or {}).get("args")
+    if args is None and (run_dir / "checkpoint" / "args.json").is_file():
+        with contextlib.suppress(errors.UserError, ValueError, OSError):
+            args = rundir.read_results(run_dir / "checkpoint" / "args.json")
+    g = (args or {}).get("group_size")
+    if method == "grpo" and isinstance(g, int) and g > 1:
+        return g, "this run's"
+    return STUDY_GROUP, "the study's GRPO" + ("" if method == "grpo" else "; this run has no group")
+
+
+def nmse_panel(ax: Any, run_dir: Path, rows: list[dict[str, Any]], series: dict[str, Any]) -> bool:
+    """The baseline's nmse at each measurement (no interval of its own: a metrics row logs its measurement's sums,
+    not their spread over prompts), every measured state and, for the run's own baseline, the prompt states apart;
+    each pooled over the measurements after the first (the report's rule: the untrained critic left out) with its
+    95% interval over measurements (read_runs.nmse_interval, the report's one-seed interval) as a band; and GRPO's
+    1/(G-1), its leave-one-out mean's nmse at the prompt state, dashed. The legend goes under the panel. Returns
+    whether anything was drawn."""
+    res = run_results(run_dir)
+    method = run_method(res, rows)
+    own = MC_BASELINE.get(method, "value")
+    name = dict(BASELINE_NAMES)
+    if method == "ppo" and res and run_variant(res) == "none":
+        name["value"] = "PPO's batch-mean baseline (no critic)"
+    drawn, low = False, 0.0
+    for base, colour_ in (("value", "C0"), ("loo", "C0"), ("group", "C1")):
+        for part, where, style in (("", "every measured state", "-"), ("_prompt", "the prompt states", ":")):
+            c = series.get(f"nmse {base}{part}", {"step": []})
+            if not c["step"]:
+                continue
+            ax.plot(c["step"], c["y"], marker="o" if not part else "D", ms=3, ls=style, color=colour_,
+                    mfc=None if not part else "none", label=f"{name[base]}, {where}")  # fmt: skip
+            drawn, low = True, min(low, *c["y"])
+            if base != own:
+                continue
+            try:
+                mc = mc_summary(rows, method)
+                x, lo, hi, _ = nmse_interval([{"mc": mc}], "nmse" + part)
+            except KeyError:  # a run measured before the sums were logged: its points alone
+                continue
+            if not finite(x):
+                continue
+            pooled = f"  pooled over measurements 2-{mc['measurements'] + 1:.0f}: {x:.2f}"
+            if finite(lo):
+                ax.axhspan(lo, hi, color=colour_, alpha=0.12 if not part else 0.25, lw=0,
+                           label=f"{pooled} [{lo:.2f}, {hi:.2f}], 95% interval over them")  # fmt: skip
+                ax.axhline(x, color=colour_, ls=style, lw=0.8)
+                low = min(low, lo)
+            else:
+                ax.axhline(x, color=colour_, ls=style, lw=0.8, label=f"{pooled}, no interval (one measurement)")
+    if drawn:
+        g, whose = reference_group(run_dir, res, method)
+        ax.axhline(1 / (g - 1), color=colour("grpo-group"), ls="--", lw=1,
+                   label=f"1/(G-1) = {1 / (g - 1):.3f}, G = {g} ({whose}): GRPO's leave-one-out mean at the prompt")  # fmt: skip
+        ax.set_ylim(bottom=low - 0.05 * (ax.get_ylim()[1] - low))  # 0, a perfect baseline, in view
+        legend = ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(-0.05, -0.14), frameon=False,
+                           title=POINTS, title_fontsize=7, alignment="left")  # fmt: skip
+        legend.set_in_layout(False)  # below the panel, in the room run_figure leaves: the panels keep their width
+    return drawn
+
+
+def run_figure(plt: Any, run_dir: Path) -> Any:
+    """run_dir's curves against the step (run_series) in one figure, each panel's y axis labelled with its unit."""
     rows = read_metrics(run_dir)
     series = run_series(rows)
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
-    panels = [
-        ("training reward", [("reward", "reward")]),
-        ("validation accuracy (%), 95% interval", []),
-        ("KL to the reference (kl_ref, per token)", [("kl", "kl_ref")]),
-        ("baseline error (nmse; 0 = perfect)", [(f"nmse {b}", f"mc/{b}/nmse") for b in ("value", "loo", "group")]),
-        ("generated training tokens (cumulative)", [("tokens", "generated_tokens")]),
-        ("rollout throughput (generated tokens/s)", [("tokens_per_s", "tokens_per_s")]),
+    fig, axes = plt.subplots(2, 3, figsize=(15, 9))
+    panels = [  # title, y label, curves (name in run_series, label)
+        ("training reward", "mean reward (1 correct, 0 not)", [("reward", "reward")]),
+        ("validation accuracy, 95% interval", "greedy accuracy (%)", []),
+        ("KL to the reference (kl_ref)", "KL (nats per token)", [("kl", "kl_ref")]),
+        ("baseline error (nmse; 0 = perfect)", "nmse (MSE / Var(R | s), no unit)", None),
+        ("generated training tokens (cumulative)", "tokens", [("tokens", "generated_tokens")]),
+        ("rollout throughput", "generated tokens/s", [("tokens_per_s", "tokens_per_s")]),
     ]
-    for ax, (title, curves) in zip(axes.flat, panels):
+    for ax, (title, ylabel, curves) in zip(axes.flat, panels):
         drawn = False
-        for name, label in curves:
+        if curves is None:
+            drawn = nmse_panel(ax, run_dir, rows, series)
+            keys = [f"mc/{b}/nmse" for b in BASELINE_NAMES]
+        else:
+            keys = [key for _, key in curves]
+        for name, _ in curves or []:
             c = series[name]
             if c["step"]:
-                ax.plot(c["step"], c["y"], marker="o", ms=3, label=label)
+                ax.plot(c["step"], c["y"], marker="o", ms=3)
                 drawn = True
         if title.startswith("validation"):
             c = series["val"]
@@ -446,16 +546,21 @@ def plot_run(plt: Any, run_dir: Path) -> Path:
                 ax.errorbar(c["step"], ys, yerr=err, marker="o", ms=3, capsize=3)
                 drawn = True
         if not drawn:
-            note = empty_panel_note(rows, [key for _, key in curves])
+            note = empty_panel_note(rows, keys)
             ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="grey", fontsize=9)
-        elif len(curves) > 1:
-            ax.legend(fontsize=7, loc="best")
         ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel, fontsize=9)
         ax.set_xlabel("step")
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
     fig.suptitle(run_title(run_dir), fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1 if axes[1][0].get_legend() else 0, 1, 1))
+    return fig
+
+
+def plot_run(plt: Any, run_dir: Path) -> Path:
+    """run_dir's curves (run_figure) in one PNG beside its metrics.jsonl; returns its path."""
+    fig = run_figure(plt, run_dir)
     path = run_dir / RUN_PLOT
     fig.savefig(path, dpi=90)
     plt.close(fig)

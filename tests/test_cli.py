@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 
 import pytest
 import torch
-from helpers import check_one_error_line, cli, run_here
+from helpers import TINY, check_one_error_line, cli, run_here
 
 from plumbing import cmdline, distributed, runtime
 
@@ -75,6 +76,42 @@ def test_a_bad_flag_is_one_error_line_and_nothing_written(tmp_path, case):
     assert proc.returncode == 2
     assert named in line and all(w in line for w in words), line
     assert not (tmp_path / "run").exists()
+
+
+# a flag of another trainer given to this one: the one line says whose flag it is (its value not listed as an option)
+FOREIGN = [
+    ("grpo.py", ["--critic", "small"], "--critic is ppo.py's flag, not grpo.py's"),
+    ("dpo.py", ["--critic=small"], "--critic is ppo.py's flag, not dpo.py's"),
+    ("dpo.py", ["--mc-every", "2"], "--mc-every is ppo.py's and grpo.py's flag, not dpo.py's"),
+    ("ppo.py", ["--beta", "0.2", "--scale-rewards", "none"],
+     "--beta is dpo.py's flag, not ppo.py's; --scale-rewards is grpo.py's flag, not ppo.py's"),
+    ("ppo.py", ["--no-online"], "--no-online is dpo.py's flag, not ppo.py's"),
+    ("grpo.py", ["--critic", "small", "--critc", "x"], "--critic is ppo.py's flag, not grpo.py's; Unrecognized options: --critc, x"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("script", "flags", "said"), FOREIGN, ids=[" ".join([f[0], *f[1]]) for f in FOREIGN])
+def test_another_trainers_flag_is_named_as_its(tmp_path, script, flags, said):
+    base = {k: v for k, v in TINY.items() if k not in ("num-minibatches", "mc-every")} if script == "dpo.py" else None
+    proc = run_here(script, cli(tmp_path / "run", base) + flags)
+    assert check_one_error_line(proc) == f"error: {said}" and proc.returncode == 2
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_flag_no_trainer_has_is_tyros_refusal_alone(tmp_path):
+    proc = run_here("ppo.py", cli(tmp_path / "run") + ["--critc", "small"])
+    assert check_one_error_line(proc) == "error: Unrecognized options: --critc, small"
+
+
+@pytest.mark.parametrize("script", cmdline.TRAINERS)
+def test_the_trainers_flags_read_from_source_are_their_args(script):
+    """cmdline reads each trainer's flags from its source (it may not import a trainer): the same as its Args's
+    fields, less those filled at runtime (tyro.conf.Suppress, not flags); and their defaults."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    fields = {f.name for f in dataclasses.fields(module.Args) if "Suppress" not in str(f.type)}
+    assert cmdline.trainer_flags(script) == fields
+    for f in dataclasses.fields(module.Args):  # and each default, as the study's figures read one
+        assert cmdline.trainer_default(script, f.name) == f.default, f.name
 
 
 def test_the_scale_picks_a_preset_and_flags_given_win(monkeypatch):

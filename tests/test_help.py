@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import cli
 
 from plumbing import logs, runtime
 
@@ -79,6 +80,34 @@ def test_help_opens_with_what_the_script_does(script, monkeypatch, capsys):
         assert all(len(line) <= columns for line in opening), f"the opening runs past {columns} columns: {opening}"
 
 
+def opening_of(script: str, flags: list[str], monkeypatch, capsys, gpu: bool = False) -> str:
+    """The help's text above its options, joined into one line: what `python script FLAGS --help` says first."""
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    module = importlib.import_module(script.removesuffix(".py"))
+    with pytest.raises(SystemExit):
+        runtime.cli(module.Args, module.CPU_SCALE, [*flags, "--help"])
+    text = capsys.readouterr().out.split("-h, --help")[0].split(" options")[0]
+    return " ".join(line for line in text.splitlines()[1:] if line.strip()).replace("  ", " ").strip()
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
+def test_help_says_first_that_the_cpu_preset_runs_the_organism(script, monkeypatch, capsys):
+    """Without a GPU the defaults --help shows are the CPU preset's (the organism, its learning rate and batch):
+    the opening says so before the first option, and how to see the study's; with a GPU, or --scale study, the
+    defaults are the study's and no such sentence is there; --model smollm2 names its own preset, not the organism."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    said = " ".join(opening_of(script, [], monkeypatch, capsys).split())
+    assert said.startswith(first_line(module.__doc__)), said
+    assert "No GPU here: the defaults below are the CPU preset, the model organism" in said, said
+    assert "not GSM8K" in said and "--scale study" in said, said
+    for flags, gpu in (([], True), (["--scale", "study"], False)):
+        said = " ".join(opening_of(script, flags, monkeypatch, capsys, gpu).split())
+        assert "CPU preset" not in said and "organism" not in said, (flags, gpu, said)
+    said = " ".join(opening_of(script, ["--model", "smollm2"], monkeypatch, capsys).split())
+    assert "the CPU preset of --model smollm2" in said and "organism" not in said, said
+
+
 def help_problems(text: str) -> list[str]:
     """An argument that shows "(default:" twice, and a description broken onto a new line where the next word would
     have fitted: tyro fills each line of the description's column, so a break in the middle of a phrase (a
@@ -133,8 +162,11 @@ def test_the_banner_shows_every_setting_once_grouped_as_args_and_within_120_colu
     names = [f.name for f in dataclasses.fields(args)]
     shown = [m.group(1) for line in lines for m in re.finditer(r"(?:^|\s)(\w+)=\S*", line)]
     assert shown == names, "every setting once, in Args's order, each name=value whole on one line"
-    for f in dataclasses.fields(args):  # its value as the run sees it
-        assert re.search(rf"(?:^|\s){f.name}={re.escape(str(getattr(args, f.name)))}(?:\s|$)", text), f.name
+    for f in dataclasses.fields(args):  # its value as the run sees it (a 0 or None that means more: the next test)
+        value = getattr(args, f.name)
+        if value in logs.MEANINGS.get(f.name, {}) or (value is None and f.name in logs.FALLBACKS):
+            continue
+        assert re.search(rf"(?:^|\s){f.name}={re.escape(str(value))}(?:\s|$)", text), f.name
     source = (ROOT / script).read_text()
     groups = [g.split(",")[0].strip() for g in re.findall(r"\n    # --- (.+?) ---\n", source.split("class Args")[1])]
     labels = [line.split(":")[0].strip() for line in lines if line.startswith("  ") and not line.startswith("    ")]
@@ -143,12 +175,75 @@ def test_the_banner_shows_every_setting_once_grouped_as_args_and_within_120_colu
     assert scaled and all(any(change in line for line in lines) for change in scaled), scaled
 
 
+# a setting whose 0 or None means something else than that number, given so, and what the banner shows for it
+ZERO_MEANS = {
+    "test-size": ("0", "test_size=all"),
+    "eval-size": ("0", "eval_size=all"),
+    "token-budget": ("0", "token_budget=none"),
+    "eval-every": ("0", "eval_every=end-only"),
+    "save-every": ("0", "save_every=end-only"),
+}
+OWN_ZERO_MEANS = {
+    "ppo.py": {"mc-every": ("0", "mc_every=never"), "vf-clip": ("0", "vf_clip=off")},
+    "grpo.py": {"mc-every": ("0", "mc_every=never"), "clip-eps": ("0.3", "clip_eps_high=0.3")},  # None: clip_eps
+    "dpo.py": {},
+}
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
+def test_the_banner_shows_what_a_zero_or_none_means_not_the_zero(script, monkeypatch):
+    """test_size=0 is the whole test split, run_dir=None a folder named for the run: the banner shows what the run
+    does (the folder it writes, "all"), never the 0 or None a reader would take for a count or an absence."""
+    given = {**ZERO_MEANS, **OWN_ZERO_MEANS[script]}
+    flags = [x for flag, (value, _) in given.items() for x in (f"--{flag}", value)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = importlib.import_module(script.removesuffix(".py"))
+    args, scaled = runtime.cli(module.Args, module.CPU_SCALE, ["--model", "tiny", *flags])
+    dist_ = SimpleNamespace(device=torch.device("cpu"), world=1)
+    text = logs.describe_run(module.METHOD.upper(), args, dist_, {}, scaled, Path("runs/x-s1"), "/data/gsm8k")
+    shown = set(text.split())
+    for _, said in given.values():
+        assert said in shown, (said, text)
+    assert {"run_dir=runs/x-s1", "data_dir=/data/gsm8k", "wandb_entity=default"} <= shown, text
+    assert not re.search(r"\b(test_size|eval_size|token_budget|eval_every|save_every|mc_every|vf_clip)=0\b", text)
+    assert not re.search(r"\b(run_dir|data_dir|wandb_entity|clip_eps_high)=None\b", text), text
+
+
+class BannerShown(Exception):
+    """Raised by the patched describe_run: the banner a trainer prints, and nothing after it."""
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
+def test_a_trainer_shows_the_run_folder_and_the_data_it_actually_uses(script, tmp_path, monkeypatch):
+    """A run without --run-dir or --data-dir: its banner names the folder it writes (runs/<name>, relative to where it
+    runs) and the data folder it read, where the settings once said run_dir=None and data_dir=None."""
+    from helpers import TINY, require_gsm8k_dir, run_in_process
+
+    monkeypatch.chdir(tmp_path)
+    real = logs.describe_run
+
+    def shown(*a, **k):
+        raise BannerShown(real(*a, **k))
+
+    monkeypatch.setattr(logs, "describe_run", shown)
+    dpo = {k: v for k, v in TINY.items() if k not in ("num-minibatches", "mc-every")}  # flags dpo.py has not
+    flags = cli(tmp_path / "unused", dpo if script == "dpo.py" else None, test_size=0)[2:]  # no --run-dir
+    with pytest.raises(BannerShown) as e:
+        run_in_process(script, flags)
+    text = str(e.value)
+    run_dir = re.search(r"^run_dir: (\S+)", text, re.M).group(1)
+    assert run_dir.startswith(f"runs/{script.removesuffix('.py')}-") and f"run_dir={run_dir}" in text.split(), text
+    folder = str(Path(require_gsm8k_dir()).resolve())
+    assert f"data_dir={folder}" in text.split() and "test_size=all" in text.split(), text
+
+
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])
 def test_the_banner_says_no_gpu_the_organism_only_when_the_cpu_preset_chose_it(script, monkeypatch):
     """Without a GPU and without --model the preset runs the organism, and the banner's second line says so; a
     --model organism given, or another model, prints no such line (the user chose it)."""
     chosen = banner_of(script, ["--total-steps", "1"], monkeypatch)[0].splitlines()
     assert chosen[1].startswith("no GPU: the model organism"), chosen[:3]
+    assert max(map(len, chosen)) <= BANNER_WIDTH, max(chosen, key=len)  # that line too, wrapped
     for flags in (["--model", "organism"], ["--model", "tiny"]):
         text = banner_of(script, ["--total-steps", "1", *flags], monkeypatch)[0]
         assert "no GPU: the model organism" not in text, flags

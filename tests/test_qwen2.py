@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,6 +339,48 @@ def test_short_names_are_their_hub_ids():
     assert models.resolve_model("smollm2-1.7b") == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
     with pytest.raises(errors.UserError, match="qwen2.5-0.5b"):
         models.resolve_model("qwen-tiny")
+
+
+# a hub id is owner/name: one /, neither part empty, no leading /, . or ~ (the hub's own rule for a repository id);
+# anything else with a /, a leading . or ~, or a .gguf ending is a path on this machine
+HUB_IDS = ["Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-360M-Instruct", "openai-community/gpt2"]
+MISSING_PATHS = {
+    "/nonexistent/folder": "no such folder",
+    "./no-such-folder": "no such folder",
+    "../no-such-folder": "no such folder",
+    "~/no-such-folder-here": "no such folder",
+    "runs/ppo-small-s1/checkpoint": "no such folder",  # two /: never a hub id
+    "no-such-owner/": "no such folder",  # an empty name
+    "missing.gguf": "no such file",
+    "/nonexistent/model.gguf": "no such file",
+}
+
+
+@pytest.mark.parametrize("name", HUB_IDS)
+def test_a_hub_id_is_passed_to_the_hub(name):
+    assert models.resolve_model(name) == name
+
+
+@pytest.mark.parametrize("name", list(MISSING_PATHS))
+def test_a_missing_path_is_named_as_missing_not_as_an_unknown_model(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the relative ones: under an empty folder
+    with pytest.raises(errors.UserError) as e:
+        models.resolve_model(name)
+    said = str(e.value)
+    assert said.startswith(f"--model {name}: {MISSING_PATHS[name]}") and "unknown" not in said, said
+    if not name.startswith("/"):  # where it was looked for: relative to this folder, ~ expanded
+        where = Path(name).expanduser()
+        assert str(where if where.is_absolute() else tmp_path / where) in said, said
+
+
+def test_a_path_that_is_not_a_model_is_named_for_what_it_is(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(errors.UserError, match="is a file, not a model folder or a .gguf file"):
+        models.resolve_model(str(tmp_path / "notes.txt"))
+    with pytest.raises(errors.UserError, match="without config.json"):
+        models.resolve_model(str(tmp_path))
+    with pytest.raises(errors.UserError, match="unknown model 'no-such-model'"):  # no /: a short name mistyped
+        models.resolve_model("no-such-model")
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "dpo.py"])

@@ -88,6 +88,91 @@ def test_several_run_folders_and_an_unfinished_one(tmp_path):
     assert plots.run_title(dpo) == "dpo: not finished (no results.json)"
 
 
+def measured_rows(baseline: str, steps: int = 8) -> list[dict]:
+    """A run's rows with a Monte Carlo measurement every other step, as measure.monte_carlo logs one: each
+    measurement's sums (measure.POOLED_SUMS: every state, and the prompt states apart), its nmse their ratio."""
+    import measure
+
+    rows = []
+    for s in range(1, steps + 1):
+        row = {"step": s, "reward": 0.1 * s, "kl_ref": 0.01 * s, "generated_tokens": 32 * s, "tokens_per_s": 100.0}
+        if s % 2:
+            for part, err, var in (("", 0.5 + 0.1 * s, 2.0), ("_prompt", 0.05 + 0.02 * s, 0.5)):
+                sums = {k: 1.0 for k in measure.POOLED_SUMS} | {"sum_sq_err_nc": err, "sum_signal_var": var}
+                sums |= measure.baseline_error_ratios(sums)
+                row |= {f"mc/{baseline}{part}/{k}": v for k, v in sums.items()}
+        rows.append(row)
+    return rows
+
+
+def curves_of(run_dir: Path):
+    """The figure `report.py RUN_DIR` draws, its axes by title: what a reader sees in curves.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plots.run_figure(plt, run_dir)
+    return {ax.get_title(): ax for ax in fig.axes}
+
+
+def test_every_panel_of_a_runs_curves_says_what_its_y_axis_is_and_no_legend_shows_a_raw_key(tmp_path):
+    run_dir = write_run(tmp_path / "ppo-small-s1", measured_rows("value"), RESULTS)
+    axes = curves_of(run_dir)
+    assert len(axes) == 6
+    for title, ax in axes.items():
+        assert ax.get_ylabel().strip(), f"{title}: no y label"
+        legend = ax.get_legend()
+        for text in legend.get_texts() if legend else []:
+            assert "mc/" not in text.get_text() and "/nmse" not in text.get_text(), text.get_text()
+    units = " ".join(ax.get_ylabel() for ax in axes.values())
+    for unit in ("%", "nats per token", "tokens/s", "tokens"):
+        assert unit in units, unit
+
+
+def nmse_axis(axes: dict):
+    return next(ax for title, ax in axes.items() if title.startswith("baseline error"))
+
+
+@pytest.mark.parametrize(
+    ("method", "group", "g", "whose"), [("ppo", 1, 8, "the study's GRPO"), ("grpo", 4, 4, "this run's")]
+)
+def test_the_nmse_panel_shows_the_pooled_interval_and_grpos_one_over_g_minus_one(tmp_path, method, group, g, whose):
+    """The baseline's nmse at each measurement, pooled over the measurements after the first (the report's rule:
+    the untrained critic left out) with its 95% interval over measurements (read_runs.nmse_interval, the report's
+    one-seed interval), every state and the prompt states apart; and GRPO's leave-one-out 1/(G-1) at the prompt
+    state as a dashed line, G the run's own for GRPO, the study's for PPO, the legend saying which."""
+    import read_runs
+
+    baseline = read_runs.MC_BASELINE[method]
+    results = {**RESULTS, "method": method, "variant": "small" if method == "ppo" else "group",
+               "args": {"group_size": group}}  # fmt: skip
+    rows = measured_rows(baseline)
+    run_dir = write_run(tmp_path / f"{method}-s1", rows, results)
+    ax = nmse_axis(curves_of(run_dir))
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    mc = read_runs.mc_summary(rows, method)
+    for key in ("nmse", "nmse_prompt"):
+        x, lo, hi, _ = read_runs.nmse_interval([{"mc": mc}], key)
+        assert lo < x < hi
+        assert any(f"{x:.2f} [{lo:.2f}, {hi:.2f}]" in label for label in labels), (key, labels)
+        bands = [p for p in ax.patches if abs(p.get_y() - lo) < 1e-9 and abs(p.get_y() + p.get_height() - hi) < 1e-9]
+        assert len(bands) == 1, (key, [(p.get_y(), p.get_height()) for p in ax.patches])
+    lines = [line for line in ax.get_lines() if line.get_linestyle() == "--" and set(line.get_ydata()) == {1 / (g - 1)}]
+    assert len(lines) == 1, [(line.get_linestyle(), line.get_ydata()) for line in ax.get_lines()]
+    assert any(f"G = {g}" in label and whose in label for label in labels), labels
+    assert "no interval" in ax.get_legend().get_title().get_text()  # a point's own: why it has none
+
+
+def test_a_measurement_too_few_for_an_interval_draws_its_pooled_value_alone(tmp_path):
+    """Two measurements: one after the first, no interval (an interval needs two units): the pooled value is drawn
+    and the legend says why no band; nothing pretends to an interval of zero width."""
+    run_dir = write_run(tmp_path / "ppo-s1", measured_rows("value", steps=3), RESULTS)
+    ax = nmse_axis(curves_of(run_dir))
+    labels = " ".join(t.get_text() for t in ax.get_legend().get_texts())
+    assert "no interval" in labels and not ax.patches, labels
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

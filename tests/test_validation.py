@@ -142,3 +142,55 @@ def test_fsdp_with_the_kl_in_the_reward_and_a_measurement_is_refused(tmp_path):
     flags = args_for("ppo.py", run_dir, **BASE["ppo.py"]) + ["--fsdp", "--kl-mode", "reward", "--mc-every", "2"]
     line = expect_refused(run_here("ppo.py", flags), run_dir, "--kl-mode reward")
     assert "--fsdp" in line and "--mc-every 0" in line
+
+
+# a refusal names the flag and its value once, then the range in words: no interval notation, no "inf"
+RANGE_WORDS = [
+    (dict(non_negative=("total_steps",)), "total_steps", -3, "--total-steps -3: must be 0 or more"),
+    (dict(positive=("lr",)), "lr", 0.0, "--lr 0.0: must be more than 0"),
+    (dict(positive=("lr",)), "lr", float("inf"), "--lr inf: must be a finite number more than 0"),
+    (dict(probability=("top_p",)), "top_p", 1.5, "--top-p 1.5: must be more than 0 and at most 1"),
+    (dict(unit=("gamma",)), "gamma", -0.5, "--gamma -0.5: must be from 0 to 1"),
+    (dict(unit=("gamma",)), "gamma", float("nan"), "--gamma nan: must be a finite number from 0 to 1"),
+    (dict(seeds=("seed",)), "seed", -1, "--seed -1: must be from 0 to 2^63 - 1"),
+]
+
+
+@pytest.mark.parametrize(("kind", "name", "value", "said"), RANGE_WORDS, ids=[r[-1] for r in RANGE_WORDS])
+def test_a_range_refusal_says_the_range_once_in_words(kind, name, value, said):
+    """Every kind of range check_ranges knows, in the words a reader checks a value against."""
+    from types import SimpleNamespace
+
+    from plumbing import errors, runtime
+
+    with pytest.raises(errors.UserError) as e:
+        runtime.check_ranges(SimpleNamespace(**{name: value}), **kind)
+    assert str(e.value) == said
+
+
+def test_a_negative_step_count_is_refused_in_one_plain_line(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_here("ppo.py", args_for("ppo.py", run_dir, **{**BASE["ppo.py"], "total-steps": -3}))
+    assert expect_refused(proc, run_dir, "--total-steps") == "error: --total-steps -3: must be 0 or more"
+
+
+def test_a_validation_split_larger_than_train_is_refused_with_the_train_size():
+    """--val-size is carved out of train: the refusal says how many problems train holds (the organism's shipped
+    data here, read as GSM8K's files)."""
+    from pathlib import Path
+
+    import gsm8k
+    from plumbing import errors
+
+    data = Path(__file__).resolve().parents[1] / "organism-seed0" / "data"
+    n = sum(1 for line in (data / "train.jsonl").read_text().splitlines() if line.strip())
+    with pytest.raises(errors.UserError) as e:
+        gsm8k.load_gsm8k(str(data), n)
+    assert str(e.value) == f"--val-size {n}: must be from 0 to {n - 1} (the train split holds {n} problems)"
+
+
+def test_a_model_folder_that_does_not_exist_is_named_as_missing(tmp_path):
+    run_dir = tmp_path / "run"
+    missing = tmp_path / "no-such-model"
+    proc = run_here("ppo.py", args_for("ppo.py", run_dir, **{**BASE["ppo.py"], "model": str(missing)}))
+    assert expect_refused(proc, run_dir, "--model") == f"error: --model {missing}: no such folder"
