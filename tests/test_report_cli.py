@@ -142,7 +142,7 @@ def test_the_nmse_panel_shows_the_pooled_interval_and_grpos_one_over_g_minus_one
     the untrained critic left out) with its 95% interval over measurements (read_runs.nmse_interval, the report's
     one-seed interval), every state and the prompt states apart; and GRPO's leave-one-out 1/(G-1) at the prompt
     state as a dashed line, G the run's own for GRPO, the study's for PPO, the legend saying which."""
-    import read_runs
+    from study import read_runs
 
     baseline = read_runs.MC_BASELINE[method]
     results = {**RESULTS, "method": method, "variant": "small" if method == "ppo" else "group",
