@@ -217,7 +217,7 @@ class BannerShown(Exception):
 def test_a_trainer_shows_the_run_folder_and_the_data_it_actually_uses(script, tmp_path, monkeypatch):
     """A run without --run-dir or --data-dir: its banner names the folder it writes (runs/<name>, relative to where it
     runs) and the data folder it read, where the settings once said run_dir=None and data_dir=None."""
-    from helpers import TINY, require_gsm8k_dir, run_in_process
+    from helpers import TINY, gsm8k_sample_dir, run_in_process
 
     monkeypatch.chdir(tmp_path)
     real = logs.describe_run
@@ -233,7 +233,7 @@ def test_a_trainer_shows_the_run_folder_and_the_data_it_actually_uses(script, tm
     text = str(e.value)
     run_dir = re.search(r"^run_dir: (\S+)", text, re.M).group(1)
     assert run_dir.startswith(f"runs/{script.removesuffix('.py')}-") and f"run_dir={run_dir}" in text.split(), text
-    folder = str(Path(require_gsm8k_dir()).resolve())
+    folder = str(Path(gsm8k_sample_dir()).resolve())
     assert f"data_dir={folder}" in text.split() and "test_size=all" in text.split(), text
 
 
