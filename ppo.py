@@ -6,8 +6,8 @@ medium and large heads on the policy's own hidden states, or a full separate tra
 `--mc-every` steps the critic's values at token-weighted states are compared with Monte Carlo estimates
 from fresh rollouts (measure.monte_carlo), raw and with the constant offset removed (docs/measurement.md).
 
-Simplifications, said plainly: one reward at the final token (gamma = lambda = 1 by default); the
-rollout's own log-probs are the old log-probs (no extra forward; --recompute-logprobs adds one).
+Simplifications, said plainly: one reward at the final token (gamma = lambda = 1 by default, the value targets'
+--critic-lam too: Monte Carlo returns); the rollout's log-probs are the old ones (--recompute-logprobs: a forward).
 
     python ppo.py --critic small                                   # the study's settings on a GPU
     torchrun --standalone --nproc_per_node=8 ppo.py --critic small # data parallel on one node
@@ -140,7 +140,9 @@ class Args:
     gamma: float = 1.0
     """discount"""
     lam: float = 1.0
-    """GAE lambda"""
+    """GAE lambda of the policy's advantages"""
+    critic_lam: float = 1.0
+    """GAE lambda of the critic's value targets (1: Monte Carlo returns; VC-PPO and VAPO decouple it from --lam)"""
     whiten_advantages: bool = True
     """whiten advantages over the whole batch (all ranks)"""
     kl_mode: Literal["loss", "reward"] = "loss"
@@ -200,7 +202,7 @@ def validate(args: Args) -> None:
         args,
         positive=("group_size", "critic_lr", "num_minibatches", "clip_eps"),
         non_negative=("vf_coef", "vf_clip", "critic_warmup_steps"),
-        unit=("gamma", "lam"),
+        unit=("gamma", "lam", "critic_lam"),
     )
     if args.critic_warmup_steps and args.critic == "none":
         raise errors.UserError(f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic")
@@ -444,7 +446,7 @@ def main() -> None:
         if critic is None:  # REINFORCE: the baseline is the batch-mean score, over all ranks
             mean = distributed.all_reduce_sums({"score": scores.sum(), "n": float(len(scores))})
             old_values = torch.full_like(rewards, mean["score"] / mean["n"]) * rmask
-        advantages, returns = common.gae(rewards, old_values, rmask, args.gamma, args.lam)  # [B, T] x2
+        advantages, returns = common.gae_decoupled(rewards, old_values, rmask, args.gamma, args.lam, args.critic_lam)
         if args.whiten_advantages:
             advantages = common.masked_whiten(advantages, rmask, global_=True)
 
