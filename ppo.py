@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 import common
 import gsm8k
 import measure
+import pretrain
 from critics import build_critic
 from plumbing import checkpoint, distributed, errors, forward, generation, logs, models, rollout, runtime
 
@@ -147,10 +148,14 @@ class Args:
     """whiten advantages over the whole batch (all ranks)"""
     kl_mode: Literal["loss", "reward"] = "loss"
     """where the KL to the reference goes: loss (k3, as GRPO) or reward (k1 per token, as classic RLHF PPO)"""
-    # VAPO's value pretraining: a critic's capacity is then not confounded with how fast a head learns from zero.
-    # The steps count toward --total-steps, the token budget and the learning-rate schedule.
+    # Value pretraining (VC-PPO, VAPO), so that a capacity is not confounded with how fast a head learns from zero:
+    # warm-up steps (they count as steps), or a critic pretrained once on the frozen policy and loaded (--critic-init)
     critic_warmup_steps: int = 0
     """the first N steps train the critic alone, the policy fixed (VAPO's value pretraining; they count as steps)"""
+    critic_init: str | None = None
+    """a critic file of study/pretrain_critic.py, pretrained on this policy's rollouts: loaded before step 0"""
+    count_critic_init_tokens: bool = False
+    """spend --critic-init's pretraining tokens from --token-budget (the paid price; without: amortised, free)"""
 
     # --- measurement against Monte Carlo ---
     mc_every: int = 10
@@ -299,6 +304,7 @@ def main() -> None:
         torch.manual_seed(args.seed)
         critic = build_critic(args.critic, policy.config.hidden_size, policy)
     critic = critic.to(home) if critic is not None else None
+    init = pretrain.load_critic_init(args, critic, policy)  # --critic-init: {} or {"critic_init": what it was}
     policy_fwd = forward.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
     ref_fwd = forward.PolicyForward(ref, compile=args.compile) if ref is not None else None
     policy_ddp = distributed.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
@@ -559,6 +565,7 @@ def main() -> None:
                 "vf_loss": total["vf_loss"] / n_tok if critic is not None else None,
                 "value_explained_variance": ev,
                 "critic_warmup": float(warm),
+                **pretrain.init_metrics(init),  # --critic-init's pretraining rollouts and tokens, apart
                 "grad_norm": total["grad_norm"] / (world * args.update_epochs * args.num_minibatches),
                 "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
@@ -602,6 +609,7 @@ def main() -> None:
     # ==================================================================================================
     variant = args.critic
     own = {"trained_tokens": counters.get("trained_tokens", 0), "policy_params": distributed.count_params(policy)}
+    own |= init  # --critic-init: its pretraining, apart from the training's counts
 
     # ==================================================================================================
     # TRY NOT TO MODIFY: the end: a checkpoint, the validation and test accuracy, results.json
