@@ -60,6 +60,26 @@ def values_of(policy, critic, tok, prompts, responses) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("capacity", ["small", "full"])
+def test_the_values_fitted_are_the_ones_ppos_training_forward_reads(capacity):
+    """critic_values: V(s_t) at the same states as forward.PolicyForward's values (position P + t - 1), so that a
+    critic pretrained here predicts, in ppo.py, what it was fitted to predict."""
+    from plumbing import forward
+
+    policy, tok = tiny_policy()
+    prompts, responses, _ = fake_rollouts(tok)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        critic = build_critic(capacity, policy.config.hidden_size, policy)
+        for p in critic.parameters():  # the zero-initialised output layer would make any two readings agree
+            torch.nn.init.normal_(p, std=0.1)
+    ids, mask, P = rollout.join_prompt_response(prompts, responses, tok.pad_token_id)
+    with torch.no_grad():
+        trained = forward.PolicyForward(policy, critic)(ids, mask, P)[2]
+    # the same fp32 sums over other padding widths (PolicyForward trims to a multiple of 8): last bits only
+    torch.testing.assert_close(values_of(policy, critic, tok, prompts, responses), trained, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("capacity", ["small", "full"])
 def test_the_first_loss_is_every_state_regressed_on_its_rollouts_reward(capacity):
     """One step on all rollouts from a zero-initialised critic (V = 0): the loss is 0.5 R^2 averaged over every
     response token, each token's target its own rollout's score (the PPO way, a plain loop here); then it falls."""
