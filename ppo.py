@@ -32,10 +32,9 @@ import tyro
 from tqdm.auto import tqdm
 
 import common
+import critics
 import gsm8k
 import measure
-import pretrain
-from critics import build_critic
 from plumbing import checkpoint, distributed, errors, forward, generation, logs, models, rollout, runtime
 
 
@@ -302,9 +301,9 @@ def main() -> None:
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        critic = build_critic(args.critic, policy.config.hidden_size, policy)
+        critic = critics.build_critic(args.critic, policy.config.hidden_size, policy)
     critic = critic.to(home) if critic is not None else None
-    init = pretrain.load_critic_init(args, critic, policy)  # --critic-init: {} or {"critic_init": what it was}
+    init = critics.load_critic_init(args, critic, policy)  # --critic-init: {} or {"critic_init": what it was}
     policy_fwd = forward.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
     ref_fwd = forward.PolicyForward(ref, compile=args.compile) if ref is not None else None
     policy_ddp = distributed.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
@@ -565,7 +564,7 @@ def main() -> None:
                 "vf_loss": total["vf_loss"] / n_tok if critic is not None else None,
                 "value_explained_variance": ev,
                 "critic_warmup": float(warm),
-                **pretrain.init_metrics(init),  # --critic-init's pretraining rollouts and tokens, apart
+                **critics.init_metrics(init),  # --critic-init's pretraining rollouts and tokens, apart
                 "grad_norm": total["grad_norm"] / (world * args.update_epochs * args.num_minibatches),
                 "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],

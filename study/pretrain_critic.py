@@ -2,7 +2,7 @@
 
 One pool of rollouts of the frozen policy (its own generation path, the train prompts in a seeded order, the
 reward of gsm8k.score), generated in chunks; for each capacity and each number of rollouts n, a critic fitted on the
-pool's first n (pretrain.fit_critic: every response state regressed on its rollout's final reward) and saved as a
+pool's first n (critics.fit_critic: every response state regressed on its rollout's final reward) and saved as a
 file `ppo.py --critic-init` loads (critic-CAPACITY-nN.safetensors, its record in the header). With --measure, each
 critic's error on held-out prompts: the last --holdout train prompts are never pretrained on; for --mc-prompts of
 them one completion, its prompt state and --mc-states states inside, K = --mc-samples fresh rollouts from each
@@ -17,7 +17,7 @@ missing; a folder of other settings is refused.
     python -m study.pretrain_critic --critics small --rollouts 4096 --out runs/critic-init        # one critic
     python -m study.pretrain_critic --critics small medium large full --rollouts 256 1024 4096 16384 --measure
 
-Does not hold: the fit and the critic file (pretrain.py), the measurement's arithmetic (measure.py), intervals
+Does not hold: the fit and the critic file (critics.py), the measurement's arithmetic (measure.py), intervals
 (intervals.py), the trainer that uses the critics (ppo.py). Imports the method's modules, never a trainer.
 """
 
@@ -42,11 +42,10 @@ import torch
 from tqdm.auto import tqdm
 
 import common
+import critics
 import gsm8k
 import intervals
 import measure
-import pretrain
-from critics import build_critic
 from plumbing import cmdline, distributed, errors, forward, generation, models, rollout, rundir, runtime
 
 # The uniform streams of this tool's sampling (rollout.step_uniforms(seed, chunk, stream)): apart from the
@@ -63,7 +62,7 @@ class Args:
     model: str = "organism"
     """the policy, frozen, as ppo.py's --model names it (organism, tiny, qwen2.5-0.5b, a path)"""
     seed: int = 1
-    """seed of the sampling, each critic's init and the fit's order (and of --model tiny's random weights, as ppo.py's)"""
+    """seed of the sampling, each critic's init and the fit's order (and of --model tiny's weights, as ppo.py's)"""
     critics: tuple[Literal["small", "medium", "large", "full"], ...] = ("small",)
     """the capacities fitted (critics.py)"""
     rollouts: tuple[int, ...] = (4096,)
@@ -247,14 +246,14 @@ class Work:
             )
         self.n_pre = n_train - args.holdout  # prompts [0, n_pre) pretrain; [n_pre, n_train) are held out
         self.policy = models.load_model(args.model, self.tokenizer, args.seed).to(device).requires_grad_(False)
-        self.fingerprint = pretrain.model_fingerprint(self.policy)
+        self.fingerprint = critics.model_fingerprint(self.policy)
         self.stopper = runtime.StopSignal()
         self.prompt_cache: dict[int, list[int]] = {}
         self.settings = {
             "model": args.model,
             "fingerprint": self.fingerprint,
             "seed": args.seed,
-            **{k: getattr(args, k) for k in pretrain.SAMPLING},
+            **{k: getattr(args, k) for k in critics.SAMPLING},
             "val_size": args.val_size,
             "holdout": args.holdout,
             "chunk": args.chunk,
@@ -314,7 +313,8 @@ class Work:
             self.check_stop()
         bar.close()
         tokens = sum(len(x) for x in responses)
-        print(f"rollouts: {len(idx):,} of the frozen policy ({made} chunk{'s' * (made != 1)} made now, {chunks - made} reused), "
+        made_now = f"{made} chunk{'s' * (made != 1)} made now, {chunks - made} reused"
+        print(f"rollouts: {len(idx):,} of the frozen policy ({made_now}), "
               f"{tokens:,} tokens, mean reward {sum(scores) / len(scores):.3f}, {seconds:.0f} s generating "
               f"({len(idx) / max(seconds, 1e-9):.0f} rollouts/s)", flush=True)  # fmt: skip
         return {"idx": idx, "prompts": prompts, "responses": responses, "scores": scores, "seconds": seconds}
@@ -330,7 +330,7 @@ class Work:
         a, path = self.args, self.critic_path(capacity, n)
         want = {"lr": lr_of(a, capacity), "epochs": a.epochs, "batch_size": a.batch_size, "seed": a.seed}
         if path.is_file():
-            record = pretrain.read_critic_record(path, "--out")
+            record = critics.read_critic_record(path, "--out")
             if (had := {k: record.get(k) for k in want}) != want:
                 raise errors.UserError(f"{path} was fitted with {had}, not {want}; choose another --out")
             return record
@@ -342,7 +342,7 @@ class Work:
             self.check_stop()
 
         t0 = time.time()
-        critic, report = pretrain.build_and_fit(
+        critic, report = critics.build_and_fit(
             capacity, self.policy, a.seed, prompts=pool["prompts"][:n], responses=pool["responses"][:n],
             scores=pool["scores"][:n], lr=want["lr"], epochs=a.epochs, batch_size=a.batch_size,
             pad_id=self.tokenizer.pad_token_id, micro=a.micro_batch_size, on_epoch=on_epoch,
@@ -351,7 +351,7 @@ class Work:
         record = {
             "capacity": capacity,
             "model": {"name": a.model, "fingerprint": self.fingerprint},
-            "sampling": {k: getattr(a, k) for k in pretrain.SAMPLING},
+            "sampling": {k: getattr(a, k) for k in critics.SAMPLING},
             "rollouts": n,
             "tokens": sum(len(r) for r in pool["responses"][:n]),
             "mean_reward": sum(pool["scores"][:n]) / n,
@@ -363,7 +363,7 @@ class Work:
             **report,
             "fit_seconds": time.time() - t0,
         }
-        return pretrain.save_critic_file(path, critic, record)
+        return critics.save_critic_file(path, critic, record)
 
     # --- the held-out measurement ------------------------------------------------------------------------
 
@@ -452,7 +452,7 @@ class Work:
                 [prompts[i] for i in rows], [responses[i] for i in rows], self.tokenizer.pad_token_id
             )
             with distributed.autocast_ctx(self.device):
-                v = pretrain.critic_values(self.policy, critic, ids.to(self.device), mask.to(self.device), P)
+                v = critics.critic_values(self.policy, critic, ids.to(self.device), mask.to(self.device), P)
             out[rows, : v.shape[1]] = v.float().cpu()
         return out
 
@@ -506,16 +506,17 @@ class Work:
             "mean_p_1_minus_p": held["signal_var"][prompt_states].mean().item(),  # E[p(1-p)], unbiased
         }
         rows = []
+        shape = (len(held["prompts"]), max(map(len, held["responses"])))
         for n in a.rollouts:  # the constant baseline: the mean reward of the pretraining rollouts
-            b = sum(pool["scores"][:n]) / n
-            rows.append({"capacity": "constant", "rollouts": n, "tokens": sum(len(r) for r in pool["responses"][:n]),
-                         **self.score(torch.full((len(held["prompts"]), max(map(len, held["responses"]))), b), held)})  # fmt: skip
+            constant = torch.full(shape, sum(pool["scores"][:n]) / n)
+            tokens = sum(len(r) for r in pool["responses"][:n])
+            rows.append({"capacity": "constant", "rollouts": n, "tokens": tokens, **self.score(constant, held)})
         bar = tqdm(total=len(records), desc="measuring critics", disable=not self.show)
         for (capacity, n), record in records.items():
             with torch.random.fork_rng(devices=[]):
-                critic = build_critic(capacity, self.policy.config.hidden_size, self.policy)
+                critic = critics.build_critic(capacity, self.policy.config.hidden_size, self.policy)
             critic = critic.to(self.device).eval()
-            pretrain.load_critic_file(self.critic_path(capacity, n), critic, "--out")
+            critics.load_critic_file(self.critic_path(capacity, n), critic, "--out")
             fit = {k: record[k] for k in ("tokens", "lr", "epochs", "batch_size", "final_loss", "fit_seconds")}
             rows.append({"capacity": capacity, "rollouts": n, **fit, **self.score(self.values(critic, held), held)})
             bar.update(1)

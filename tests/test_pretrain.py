@@ -1,4 +1,4 @@
-"""Value pretraining (pretrain.py, study/pretrain_critic.py) and ppo.py --critic-init: the fit regresses every response
+"""Value pretraining (critics.py, study/pretrain_critic.py) and ppo.py --critic-init: the fit regresses every response
 state on its rollout's reward and leaves the policy as it was; a critic saved and loaded gives the same values; a
 stopped pretraining resumes with only what is missing; ppo.py loads the file, records its cost apart and spends it
 from the budget when asked; bad values and foreign files are one `error:` line."""
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_ok, check_one_error_line, cli, require_gsm8k_dir, run_here, step_rows
+from helpers import REPO, check_ok, check_one_error_line, cli, run_here, step_rows
 
-import pretrain
+import critics
 from critics import build_critic
 from plumbing import errors, models, rollout
 
@@ -51,11 +51,11 @@ def fake_rollouts(tok, n: int = 12, seed: int = 0):
 def values_of(policy, critic, tok, prompts, responses) -> torch.Tensor:
     ids, mask, P = rollout.join_prompt_response(prompts, responses, tok.pad_token_id)
     with torch.no_grad():
-        return pretrain.critic_values(policy, critic, ids, mask, P)
+        return critics.critic_values(policy, critic, ids, mask, P)
 
 
 # ------------------------------------------------------------------------------------------------------
-# the fit and the file (pretrain.py)
+# the fit and the file (critics.py)
 # ------------------------------------------------------------------------------------------------------
 
 
@@ -85,9 +85,10 @@ def test_the_first_loss_is_every_state_regressed_on_its_rollouts_reward(capacity
     response token, each token's target its own rollout's score (the PPO way, a plain loop here); then it falls."""
     policy, tok = tiny_policy()
     prompts, responses, scores = fake_rollouts(tok)
-    critic, report = pretrain.build_and_fit(
-        capacity, policy, 1, prompts=prompts, responses=responses, scores=scores, lr=1e-2 if capacity != "full" else 1e-3,
-        epochs=6, batch_size=len(prompts), pad_id=tok.pad_token_id, micro=5,
+    lr = 1e-3 if capacity == "full" else 1e-2
+    critic, report = critics.build_and_fit(
+        capacity, policy, 1, prompts=prompts, responses=responses, scores=scores, lr=lr, epochs=6,
+        batch_size=len(prompts), pad_id=tok.pad_token_id, micro=5,
     )  # fmt: skip
     tokens = sum(len(r) for r in responses)
     expected = sum(0.5 * s * s * len(r) for r, s in zip(responses, scores)) / tokens
@@ -100,38 +101,38 @@ def test_the_first_loss_is_every_state_regressed_on_its_rollouts_reward(capacity
 def test_pretraining_leaves_the_policy_bitwise_unchanged(capacity):
     policy, tok = tiny_policy()
     before = {k: v.clone() for k, v in policy.state_dict().items()}
-    fingerprint = pretrain.model_fingerprint(policy)
+    fingerprint = critics.model_fingerprint(policy)
     prompts, responses, scores = fake_rollouts(tok)
-    pretrain.build_and_fit(capacity, policy, 1, prompts=prompts, responses=responses, scores=scores, lr=1e-2,
+    critics.build_and_fit(capacity, policy, 1, prompts=prompts, responses=responses, scores=scores, lr=1e-2,
                            epochs=2, batch_size=4, pad_id=tok.pad_token_id)  # fmt: skip
-    assert pretrain.model_fingerprint(policy) == fingerprint
+    assert critics.model_fingerprint(policy) == fingerprint
     assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
 
 
 def test_the_fingerprint_tells_one_bit_apart():
     policy, _ = tiny_policy()
-    fingerprint = pretrain.model_fingerprint(policy)
+    fingerprint = critics.model_fingerprint(policy)
     with torch.no_grad():
         w = next(policy.parameters())
         w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
-    assert pretrain.model_fingerprint(policy) != fingerprint
+    assert critics.model_fingerprint(policy) != fingerprint
 
 
 @pytest.mark.parametrize("capacity", ["small", "large", "full"])
 def test_a_pretrained_critic_saved_and_loaded_gives_the_same_values(tmp_path, capacity):
     policy, tok = tiny_policy()
     prompts, responses, scores = fake_rollouts(tok)
-    critic, _ = pretrain.build_and_fit(capacity, policy, 1, prompts=prompts, responses=responses, scores=scores,
+    critic, _ = critics.build_and_fit(capacity, policy, 1, prompts=prompts, responses=responses, scores=scores,
                                        lr=1e-2, epochs=2, batch_size=4, pad_id=tok.pad_token_id)  # fmt: skip
     path = tmp_path / "critic.safetensors"
-    written = pretrain.save_critic_file(path, critic, {"capacity": capacity, "rollouts": 12})
-    assert pretrain.read_critic_record(path) == written and written["capacity"] == capacity
+    written = critics.save_critic_file(path, critic, {"capacity": capacity, "rollouts": 12})
+    assert critics.read_critic_record(path) == written and written["capacity"] == capacity
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(99)  # another init: the file's weights must replace it
         fresh = build_critic(capacity, policy.config.hidden_size, policy)
     assert not torch.equal(values_of(policy, fresh, tok, prompts, responses),
                            values_of(policy, critic, tok, prompts, responses))  # fmt: skip
-    pretrain.load_critic_file(path, fresh)
+    critics.load_critic_file(path, fresh)
     assert torch.equal(values_of(policy, fresh, tok, prompts, responses),
                        values_of(policy, critic, tok, prompts, responses))  # fmt: skip
     assert not list(tmp_path.glob(".*tmp*")), "the atomic write left its temporary file"
@@ -141,12 +142,12 @@ def test_a_critic_file_with_a_changed_weight_is_damage(tmp_path):
     policy, _ = tiny_policy()
     critic = build_critic("small", policy.config.hidden_size)
     path = tmp_path / "critic.safetensors"
-    pretrain.save_critic_file(path, critic, {"capacity": "small"})
+    critics.save_critic_file(path, critic, {"capacity": "small"})
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x40  # a bit of the last tensor's data; the header still parses
     path.write_bytes(bytes(data))
     with pytest.raises(errors.UserError, match="damaged: its weights are not the ones"):
-        pretrain.load_critic_file(path, build_critic("small", policy.config.hidden_size))
+        critics.load_critic_file(path, build_critic("small", policy.config.hidden_size))
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -168,7 +169,6 @@ def test_a_critic_file_with_a_changed_weight_is_damage(tmp_path):
     ],
 )
 def test_the_tool_refuses_bad_values_in_one_line_and_writes_nothing(tmp_path, flags, named):
-    require_gsm8k_dir()
     line = check_one_error_line(run_here(TOOL, tool(tmp_path / "out", "--rollouts", "16", *flags)))
     assert named in line
     assert not (tmp_path / "out").exists()
@@ -178,18 +178,17 @@ def test_the_tool_imports_the_method_and_never_a_trainer():
     tree = ast.parse((REPO / "study" / "pretrain_critic.py").read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert "pretrain" in names and "measure" in names
+    assert "critics" in names and "measure" in names
     assert not names & {"ppo", "grpo", "dpo", "preflight", "report", "sweep_runner"}
 
 
 def test_a_stopped_pretraining_resumes_with_only_what_is_missing(tmp_path, monkeypatch):
     """SIGTERM after the second of three chunks: the run stops with those two saved; the same command again makes the
     third alone, then the critic, which is bit for bit an uninterrupted run's; a third time makes nothing."""
-    require_gsm8k_dir()
     import study.pretrain_critic as tool_module
 
     calls: list[int] = []
-    real_sample, real_fit = tool_module.Work.sample, pretrain.fit_critic
+    real_sample, real_fit = tool_module.Work.sample, critics.fit_critic
     fits: list[int] = []
 
     def sample(self, idx, stream, step):
@@ -204,7 +203,7 @@ def test_a_stopped_pretraining_resumes_with_only_what_is_missing(tmp_path, monke
         return real_fit(*a, **kw)
 
     monkeypatch.setattr(tool_module.Work, "sample", sample)
-    monkeypatch.setattr(pretrain, "fit_critic", fit)
+    monkeypatch.setattr(critics, "fit_critic", fit)
     flags = ("--rollouts", "40", "--critics", "small", "--epochs", "2")
     stop_after = 2
     first = run_here(TOOL, tool(tmp_path / "out", *flags))
@@ -229,7 +228,7 @@ def test_a_stopped_pretraining_resumes_with_only_what_is_missing(tmp_path, monke
     a, b = (load_file(str(tmp_path / run / "critic-small-n40.safetensors")) for run in ("out", "straight"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ra, rb = (
-        pretrain.read_critic_record(tmp_path / run / "critic-small-n40.safetensors") for run in ("out", "straight")
+        critics.read_critic_record(tmp_path / run / "critic-small-n40.safetensors") for run in ("out", "straight")
     )
     assert {k: v for k, v in ra.items() if k != "fit_seconds"} == {k: v for k, v in rb.items() if k != "fit_seconds"}
 
@@ -239,7 +238,6 @@ def test_a_stopped_pretraining_resumes_with_only_what_is_missing(tmp_path, monke
 
 
 def test_a_folder_of_other_settings_is_refused(tmp_path):
-    require_gsm8k_dir()
     check_ok(run_here(TOOL, tool(tmp_path / "out", "--rollouts", "16", "--epochs", "1")))
     line = check_one_error_line(run_here(TOOL, tool(tmp_path / "out", "--rollouts", "16", "--temperature", "0.5")))
     assert "temperature" in line and "choose another --out" in line
@@ -250,7 +248,6 @@ def test_a_folder_of_other_settings_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
     """A small critic pretrained on 32 rollouts of the tiny model (seed 1), and the held-out curve beside it."""
-    require_gsm8k_dir()
     out = tmp_path_factory.mktemp("pretrained") / "out"
     flags = ("--rollouts", "16", "32", "--critics", "small", "--measure", "--mc-prompts", "8", "--mc-chunk", "4",
              "--mc-samples", "2")  # fmt: skip
@@ -259,12 +256,12 @@ def pretrained(tmp_path_factory) -> Path:
 
 
 def test_the_record_says_what_the_critic_was_fitted_on(pretrained):
-    record = pretrain.read_critic_record(pretrained / "critic-small-n32.safetensors")
+    record = critics.read_critic_record(pretrained / "critic-small-n32.safetensors")
     chunks = [torch.load(p, weights_only=True) for p in sorted((pretrained / "rollouts").glob("chunk-*.pt"))]
     assert record["rollouts"] == 32 and record["tokens"] == sum(int(c["response_len"].sum()) for c in chunks)
     held = record["holdout"]
     assert record["prompts"] and max(record["prompts"]) < held["first"], "a held-out prompt was pretrained on"
-    assert record["model"]["fingerprint"] == pretrain.model_fingerprint(tiny_policy(1)[0])
+    assert record["model"]["fingerprint"] == critics.model_fingerprint(tiny_policy(1)[0])
     assert record["sampling"] == {"task": "toy", "temperature": 1.0, "max_new_tokens": 8, "prompt_format": "chat"}
     assert record["lr"] == 1e-3 and record["epochs"] == 4 and record["seed"] == 1
     assert len(record["losses"]) == 4 and record["final_loss"] == record["losses"][-1]
@@ -295,21 +292,21 @@ def test_ppo_loads_the_critic_and_records_its_pretraining_apart(pretrained, tmp_
     the pretraining's rollouts and tokens, apart from the training's generated_tokens."""
     path = pretrained / "critic-small-n32.safetensors"
     loaded = []
-    real = pretrain.load_critic_init
+    real = critics.load_critic_init
 
     def watched(args, critic, policy):
         out = real(args, critic, policy)
         loaded.append({k: v.clone() for k, v in critic.state_dict().items()})
         return out
 
-    monkeypatch.setattr(pretrain, "load_critic_init", watched)
+    monkeypatch.setattr(critics, "load_critic_init", watched)
     run_dir = tmp_path / "run"
     check_ok(run_here("ppo.py", cli(run_dir, **PPO_TINY, critic="small", critic_init=path)))
     from safetensors.torch import load_file
 
     assert all(torch.equal(loaded[0][k], v) for k, v in load_file(str(path)).items())
     results = json.loads((run_dir / "results.json").read_text())
-    record = pretrain.read_critic_record(path)
+    record = critics.read_critic_record(path)
     init = results["critic_init"]
     assert init["rollouts"] == 32 and init["tokens"] == record["tokens"] and init["paid"] is False
     assert init["critic_sha256"] == record["tensors_sha256"]
@@ -322,7 +319,7 @@ def test_paid_pretraining_is_spent_from_the_token_budget(pretrained, tmp_path):
     """--count-critic-init-tokens: training gets the budget less the pretraining's tokens, and stops there (one step);
     amortised, the same budget trains on (three steps, the cap, under it)."""
     path = pretrained / "critic-small-n32.safetensors"
-    tokens = pretrain.read_critic_record(path)["tokens"]
+    tokens = critics.read_critic_record(path)["tokens"]
     budget = tokens + 40  # a step of 8 rollouts writes at most 64 tokens: paid, one step
     assert budget > 3 * 64, "the amortised run must not reach the budget in its three steps"
     steps = {}
@@ -345,7 +342,7 @@ def test_paid_pretraining_is_spent_from_the_token_budget(pretrained, tmp_path):
                                   "damaged", "budget spent", "no budget", "count without a file"])  # fmt: skip
 def test_ppo_refuses_a_critic_file_it_cannot_use_in_one_line(pretrained, tmp_path, case):
     path = pretrained / "critic-small-n32.safetensors"
-    tokens = pretrain.read_critic_record(path)["tokens"]
+    tokens = critics.read_critic_record(path)["tokens"]
     if case == "damaged":
         (tmp_path / "damaged.safetensors").write_bytes(path.read_bytes()[:200])
     flags = {
