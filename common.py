@@ -3,8 +3,9 @@
 Each is a small pure function with shape comments and, where it implements a paper, a link to it; each is tested
 against a plain loop (tests/test_losses.py). The call sites and the sum of the loss stay inline in each trainer.
 Holds: masked statistics, PPO's clipped surrogate and clipped value loss, the token/sequence loss weights, the KL
-estimators, GAE, GRPO's group advantages (Dr. GRPO, RLOO), the DPO and IPO losses, the learning-rate schedules,
-explained variance, and which rows each rank and each minibatch takes (the same global rows on one rank or N).
+estimators, GAE (one lambda, or the policy's and the critic's apart), GRPO's group advantages (Dr. GRPO, RLOO), the
+DPO and IPO losses, the learning-rate schedules, explained variance, and which rows each rank and each minibatch
+takes (the same global rows on one rank or N).
 Does not hold: GSM8K, the prompt or the reward (gsm8k.py), the Monte Carlo measurement (measure.py), anything that
 runs a model (plumbing/). Imports only the plumbing's rollout (the per-row uniforms), distributed and errors.
 """
@@ -140,6 +141,23 @@ def gae(
         adv[:, t] = last
         next_value = values[:, t] * m  # a padded step passes 0 back to the last real token
     return adv, (adv + values) * mask
+
+
+def gae_decoupled(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float, critic_lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE with one lambda for the policy's advantages and another for the critic's value targets (VC-PPO,
+    https://arxiv.org/abs/2503.01491; VAPO, https://arxiv.org/abs/2504.05118).  [B, T] x3 -> [B, T] x2
+
+    Returns gae(lam)'s advantages and gae(critic_lam)'s returns. With gamma = critic_lam = 1 the targets are the
+    Monte Carlo returns (the sum of the rewards ahead), whatever the critic predicts: a value learned from them is
+    not biased by its own errors, as a lambda < 1 target is. With lam == critic_lam this is gae() itself, one pass
+    and the same bits.
+    """
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    if critic_lam != lam:
+        returns = gae(rewards, values, mask, gamma, critic_lam)[1]
+    return advantages, returns
 
 
 def group_advantages(

@@ -1,8 +1,10 @@
-"""Intervals: a proportion's (Wilson), a mean's over seeds (t), paired differences, and a ratio of sums over seeds.
+"""Intervals: a proportion's (Wilson), a mean's over seeds (t), paired differences, and a ratio of sums over seeds;
+and the exchange rate between a critic and GRPO's group (G* = 1 + 1/nmse) with its interval.
 
 Small pure functions on plain numbers; no torch, no project import. Evaluation gives each accuracy its Wilson
 interval (gsm8k.evaluate); the report compares methods seed by seed (paired_seed_difference) and pools the
-baseline error's sums before its ratio (ratio_interval). Their coverage is checked by simulation in
+baseline error's sums before its ratio (ratio_interval); a critic's nmse becomes the group size it is worth
+(critic_equivalent_group). Their coverage is checked by simulation in
 tests/test_intervals.py; docs/measurement.md says what each assumes.
 """
 
@@ -240,3 +242,36 @@ def ratio_difference_interval(
     dof = (va + vb) ** 2 / (va * va / (len(za) - 1) + vb * vb / (len(zb) - 1))
     half = t_quantile(0.975, dof) * math.sqrt(va + vb)
     return d, d - half, d + half
+
+
+# ======================================================================================================
+# The exchange rate: a critic's nmse in samples of GRPO's group
+# ======================================================================================================
+
+
+def group_nmse(group_size: float) -> float:
+    """GRPO's baseline error at the prompt: the leave-one-out mean of the G - 1 other samples has nmse 1/(G - 1)
+    whatever the success rate (G = 2: 1.0; 4: 0.333; 8: 0.143; 16: 0.067; docs/measurement.md). A group below 2
+    has no other sample to average: ValueError."""
+    if not group_size >= 2:  # nan too
+        raise ValueError(f"a group of {group_size} has no leave-one-out mean: G must be at least 2")
+    return 1.0 / (group_size - 1)
+
+
+def _equivalent(nmse: float) -> float:
+    if math.isnan(nmse):
+        return math.nan
+    return 1.0 + 1.0 / nmse if nmse > 0 else math.inf
+
+
+def critic_equivalent_group(nmse: float, lo: float = math.nan, hi: float = math.nan) -> tuple[float, float, float]:
+    """G* = 1 + 1/nmse, the group size whose leave-one-out mean reads the same nmse at the prompt as a baseline
+    with this one (group_nmse inverted): a critic at nmse e is worth G* samples of the prompt, and beats GRPO's group
+    of G exactly where G* > G. With nmse's 95% interval (lo, hi), G*'s: G* falls as nmse rises, so its ends are
+    the ends of nmse's mapped and swapped, (1 + 1/hi, 1 + 1/lo). The noise-corrected nmse can reach 0 or below (a
+    baseline indistinguishable from the true value at this many Monte Carlo samples): G* is then infinite, and an
+    interval whose lower end reaches 0 has no upper end (inf). nan stays nan (no interval: (G*, nan, nan)).
+    -> G*, its lower end, its upper end"""
+    if not (math.isnan(lo) or math.isnan(hi)) and lo > hi:
+        raise ValueError(f"an interval's lower end {lo} is above its upper end {hi}")
+    return _equivalent(nmse), _equivalent(hi), _equivalent(lo)

@@ -6,8 +6,8 @@ medium and large heads on the policy's own hidden states, or a full separate tra
 `--mc-every` steps the critic's values at token-weighted states are compared with Monte Carlo estimates
 from fresh rollouts (measure.monte_carlo), raw and with the constant offset removed (docs/measurement.md).
 
-Simplifications, said plainly: one reward at the final token (gamma = lambda = 1 by default); the
-rollout's own log-probs are the old log-probs (no extra forward; --recompute-logprobs adds one).
+Simplifications, said plainly: one reward at the final token (gamma = lambda = 1 by default, the value targets'
+--critic-lam too: Monte Carlo returns); the rollout's log-probs are the old ones (--recompute-logprobs: a forward).
 
     python ppo.py --critic small                                   # the study's settings on a GPU
     torchrun --standalone --nproc_per_node=8 ppo.py --critic small # data parallel on one node
@@ -32,9 +32,9 @@ import tyro
 from tqdm.auto import tqdm
 
 import common
+import critics
 import gsm8k
 import measure
-from critics import build_critic
 from plumbing import checkpoint, distributed, errors, forward, generation, logs, models, rollout, runtime
 
 
@@ -140,15 +140,21 @@ class Args:
     gamma: float = 1.0
     """discount"""
     lam: float = 1.0
-    """GAE lambda"""
+    """GAE lambda of the policy's advantages"""
+    critic_lam: float = 1.0
+    """GAE lambda of the critic's value targets (1: Monte Carlo returns; VC-PPO and VAPO decouple it from --lam)"""
     whiten_advantages: bool = True
     """whiten advantages over the whole batch (all ranks)"""
     kl_mode: Literal["loss", "reward"] = "loss"
     """where the KL to the reference goes: loss (k3, as GRPO) or reward (k1 per token, as classic RLHF PPO)"""
-    # VAPO's value pretraining: a critic's capacity is then not confounded with how fast a head learns from zero.
-    # The steps count toward --total-steps, the token budget and the learning-rate schedule.
+    # Value pretraining (VC-PPO, VAPO), so that a capacity is not confounded with how fast a head learns from zero:
+    # warm-up steps (they count as steps), or a critic pretrained once on the frozen policy and loaded (--critic-init)
     critic_warmup_steps: int = 0
     """the first N steps train the critic alone, the policy fixed (VAPO's value pretraining; they count as steps)"""
+    critic_init: str | None = None
+    """a critic file of study/pretrain_critic.py, pretrained on this policy's rollouts: loaded before step 0"""
+    count_critic_init_tokens: bool = False
+    """spend --critic-init's pretraining tokens from --token-budget (the paid price; without: amortised, free)"""
 
     # --- measurement against Monte Carlo ---
     mc_every: int = 10
@@ -200,7 +206,7 @@ def validate(args: Args) -> None:
         args,
         positive=("group_size", "critic_lr", "num_minibatches", "clip_eps"),
         non_negative=("vf_coef", "vf_clip", "critic_warmup_steps"),
-        unit=("gamma", "lam"),
+        unit=("gamma", "lam", "critic_lam"),
     )
     if args.critic_warmup_steps and args.critic == "none":
         raise errors.UserError(f"--critic-warmup-steps {args.critic_warmup_steps} needs a critic")
@@ -295,8 +301,9 @@ def main() -> None:
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if args.kl_coef > 0 else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        critic = build_critic(args.critic, policy.config.hidden_size, policy)
+        critic = critics.build_critic(args.critic, policy.config.hidden_size, policy)
     critic = critic.to(home) if critic is not None else None
+    init = critics.load_critic_init(args, critic, policy)  # --critic-init: {} or {"critic_init": what it was}
     policy_fwd = forward.PolicyForward(policy, critic, args.critic_grad, compile=args.compile)
     ref_fwd = forward.PolicyForward(ref, compile=args.compile) if ref is not None else None
     policy_ddp = distributed.parallelize(policy_fwd, ref_fwd, dist_, args.fsdp)  # DDP, FSDP2 or policy_fwd itself
@@ -444,7 +451,7 @@ def main() -> None:
         if critic is None:  # REINFORCE: the baseline is the batch-mean score, over all ranks
             mean = distributed.all_reduce_sums({"score": scores.sum(), "n": float(len(scores))})
             old_values = torch.full_like(rewards, mean["score"] / mean["n"]) * rmask
-        advantages, returns = common.gae(rewards, old_values, rmask, args.gamma, args.lam)  # [B, T] x2
+        advantages, returns = common.gae_decoupled(rewards, old_values, rmask, args.gamma, args.lam, args.critic_lam)
         if args.whiten_advantages:
             advantages = common.masked_whiten(advantages, rmask, global_=True)
 
@@ -557,6 +564,7 @@ def main() -> None:
                 "vf_loss": total["vf_loss"] / n_tok if critic is not None else None,
                 "value_explained_variance": ev,
                 "critic_warmup": float(warm),
+                **critics.init_metrics(init),  # --critic-init's pretraining rollouts and tokens, apart
                 "grad_norm": total["grad_norm"] / (world * args.update_epochs * args.num_minibatches),
                 "nonfinite_skips": guard.take_skips(),
                 "lr": scheduler.get_last_lr()[0],
@@ -600,6 +608,7 @@ def main() -> None:
     # ==================================================================================================
     variant = args.critic
     own = {"trained_tokens": counters.get("trained_tokens", 0), "policy_params": distributed.count_params(policy)}
+    own |= init  # --critic-init: its pretraining, apart from the training's counts
 
     # ==================================================================================================
     # TRY NOT TO MODIFY: the end: a checkpoint, the validation and test accuracy, results.json

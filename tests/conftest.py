@@ -150,6 +150,7 @@ SLOW_TOO = {
     "test_offline.py::test_the_sweep_given_a_hub_model_not_cached_says_so_in_one_line_and_leaves_no_folder[pre": "4 s",
     "test_tracking.py::test_track_logs_every_row_to_wandb_offline[dpo.py]": "4 s, wandb's import; TensorBoard's stays",
     "test_data_fingerprint.py::test_a_resume_with_one_test_answer_changed_is_refused_naming_test": "3 s; train's stays",
+    "test_pretrain.py::test_a_folder_of_other_settings_is_refused": "5 s; the resume test's folder is checked too",
     # simulations of thousands of studies: one case of each stays
     "test_preflight.py::test_the_default_smallest_effect_tells_apart_what_the_docs_say": "3 s",
     "test_preflight.py::test_the_preflight_predicts_the_standard_error_of_what_the_report_compares[0.3-": "3 s",

@@ -258,3 +258,44 @@ def test_monte_carlo_logs_the_prompt_states_apart_and_takes_the_signal_from_the_
         for part in measure.STATE_PARTS:
             assert shaped[f"value{part}/{key}"] == pytest.approx(plain[f"value{part}/{key}"]), (part, key)
     assert shaped["value/sum_err"] != pytest.approx(plain["value/sum_err"])  # the target is the shaped return
+
+
+# ------------------------------------------------------------------------------------------------------
+# G* = 1 + 1/nmse: a critic's error in samples of GRPO's group
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("G,nmse", [(2, 1.0), (4, 1 / 3), (8, 1 / 7), (16, 1 / 15)])
+def test_grpo_group_reads_one_over_g_minus_one_and_g_star_inverts_it(G, nmse):
+    assert intervals.group_nmse(G) == pytest.approx(nmse)
+    assert intervals.critic_equivalent_group(intervals.group_nmse(G))[0] == pytest.approx(G)
+
+
+def test_g_star_and_its_interval_on_known_inputs():
+    """nmse 0.25 in (0.2, 0.5) is worth 5 samples, in (3, 6): the ends swap, as G* falls when nmse rises."""
+    assert intervals.critic_equivalent_group(0.25, 0.2, 0.5) == pytest.approx((5.0, 3.0, 6.0))
+    g, lo, hi = intervals.critic_equivalent_group(0.25)  # no interval given: none carried
+    assert g == 5.0 and math.isnan(lo) and math.isnan(hi)
+    # an nmse interval reaching 0 or below: no upper end
+    assert intervals.critic_equivalent_group(0.1, -0.05, 0.2) == (pytest.approx(11.0), pytest.approx(6.0), math.inf)
+    assert intervals.critic_equivalent_group(0.0, 0.0, 0.1)[::2] == (math.inf, math.inf)
+    assert intervals.critic_equivalent_group(-0.02, -0.1, -0.01) == (math.inf, math.inf, math.inf)
+    g, lo, hi = intervals.critic_equivalent_group(math.nan)
+    assert math.isnan(g) and math.isnan(lo) and math.isnan(hi)
+
+
+def test_g_star_beats_a_group_exactly_where_its_nmse_is_below_the_groups():
+    for e in (0.05, 0.14, 0.2, 0.34, 0.9, 1.5):
+        for G in (2, 4, 8, 16):
+            assert (intervals.critic_equivalent_group(e)[0] > G) == (e < intervals.group_nmse(G))
+
+
+@pytest.mark.parametrize("G", [1, 1.5, 0, -3, math.nan])
+def test_a_group_below_two_is_refused(G):
+    with pytest.raises(ValueError, match="at least 2"):
+        intervals.group_nmse(G)
+
+
+def test_an_upside_down_interval_is_refused():
+    with pytest.raises(ValueError, match="above its upper end"):
+        intervals.critic_equivalent_group(0.3, 0.5, 0.2)

@@ -22,17 +22,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # its command names (its Args and CPU preset). The root's report.py is the command `python report.py`: study/report.py's
 # entry point, the one module outside study/ that imports it.
 LAYERS = [
-    ["plumbing.errors", "intervals", "critics"],
+    ["plumbing.errors", "intervals"],
     ["plumbing.rundir", "plumbing.rollout", "plumbing.models", "plumbing.cmdline"],
     ["plumbing.distributed"],
     ["plumbing.runtime", "plumbing.forward"],
     ["plumbing.logs", "plumbing.checkpoint", "plumbing.static_kernels"],
     ["plumbing.static_engine"],
     ["plumbing.generation"],
-    ["common"],
+    ["common", "critics"],
     ["gsm8k"],
     ["measure"],
-    ["ppo", "grpo", "dpo", "organism", "study.read_runs", "study.sweep_runner"],
+    ["ppo", "grpo", "dpo", "organism", "study.read_runs", "study.sweep_runner", "study.pretrain_critic"],
     ["study.preflight", "study.plots", "study.estimate"],
     ["study.report"],
     ["report"],

@@ -248,6 +248,47 @@ def test_gae_terminal_reward_gamma_lambda_one():
     assert torch.allclose(ret, torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
 
 
+def _random_batch(B, T, seed):
+    torch.manual_seed(seed)
+    mask, lengths = _mask(B, T, seed=seed)
+    return torch.randn(B, T), torch.randn(B, T), mask, lengths  # rewards at every token, garbage on padding
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.95, 0.5, 0.0])
+def test_critic_lambda_one_targets_are_the_monte_carlo_returns(lam):
+    """gamma = critic_lam = 1: the value target of token t is the sum of the rewards from t on, whatever the critic
+    predicts and whatever the policy's lambda (VC-PPO's lambda_critic = 1)."""
+    rewards, values, mask, lengths = _random_batch(4, 9, seed=3)
+    _, ret = common.gae_decoupled(rewards, values, mask, 1.0, lam, 1.0)
+    for b in range(4):
+        for t in range(9):
+            expected = sum(float(rewards[b, u]) for u in range(t, lengths[b])) if t < lengths[b] else 0.0
+            assert float(ret[b, t]) == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_each_lambda_changes_its_own_quantity_only(gamma):
+    """--critic-lam moves the value targets and not the advantages; --lam the advantages and not the targets; each
+    is gae() at its own lambda."""
+    rewards, values, mask, _ = _random_batch(5, 11, seed=7)
+    adv, ret = common.gae_decoupled(rewards, values, mask, gamma, 0.95, 1.0)
+    adv_c, ret_c = common.gae_decoupled(rewards, values, mask, gamma, 0.95, 0.8)  # the critic's lambda moved
+    assert torch.equal(adv_c, adv) and not torch.allclose(ret_c, ret)
+    adv_p, ret_p = common.gae_decoupled(rewards, values, mask, gamma, 0.7, 1.0)  # the policy's lambda moved
+    assert torch.equal(ret_p, ret) and not torch.allclose(adv_p, adv)
+    assert torch.equal(adv_c, common.gae(rewards, values, mask, gamma, 0.95)[0])
+    assert torch.equal(ret_c, common.gae(rewards, values, mask, gamma, 0.8)[1])
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.8)])
+def test_equal_lambdas_compute_exactly_what_gae_did(gamma, lam):
+    """lam == critic_lam (the defaults, 1 and 1: every committed run): bit for bit gae()'s advantages and returns."""
+    rewards, values, mask, _ = _random_batch(6, 13, seed=11)
+    adv, ret = common.gae_decoupled(rewards, values, mask, gamma, lam, lam)
+    adv0, ret0 = common.gae(rewards, values, mask, gamma, lam)
+    assert torch.equal(adv, adv0) and torch.equal(ret, ret0)
+
+
 # ---------------------------------------------------------------------------------------------- GRPO, DPO
 
 

@@ -128,6 +128,7 @@ BAD_INPUT = {
     "minibatch does not divide": (dict(batch_size=6, num_minibatches=4), "--num-minibatches"),
     "unknown model": (dict(model="no-such-model"), "no-such-model"),
     "missing data folder": (dict(data_dir="/nonexistent/gsm8k"), "/nonexistent/gsm8k"),
+    "critic lambda above 1": (dict(critic_lam=1.5), "--critic-lam"),
 }
 
 
@@ -273,3 +274,30 @@ def test_critic_warmup_steps_move_the_critic_and_not_the_policy(tmp_path):
         assert step_rows(run_dir)[0]["critic_warmup"] == float(warmup)
     assert moved[1] == (False, True), "warm-up: the critic learns, the policy stays"
     assert moved[0] == (True, True)
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.9])
+def test_the_policy_lambda_shapes_the_advantages_and_the_critic_lambda_the_targets(tmp_path, monkeypatch, lam):
+    """ppo.py hands --lam to the advantages and --critic-lam (default 1) to the value targets: at the defaults the
+    step computes gae()'s bits; at --lam 0.9 the advantages are gae(0.9)'s and the targets still the Monte Carlo
+    returns (the score, at every token of its completion)."""
+    calls = []
+    real = common.gae_decoupled
+
+    def watched(rewards, values, mask, gamma, lam_, critic_lam):
+        adv, ret = real(rewards, values, mask, gamma, lam_, critic_lam)
+        calls.append((rewards.clone(), values.clone(), mask.clone(), adv.clone(), ret.clone(), lam_, critic_lam))
+        return adv, ret
+
+    monkeypatch.setattr(common, "gae_decoupled", watched)
+    flags = dict(task="toy", critic="small", total_steps=1, batch_size=16, max_new_tokens=6, kl_coef=0, lam=lam)
+    run_ppo_in_process(cli(tmp_path / "run", **flags), monkeypatch)
+    (rewards, values, mask, adv, ret, lam_, critic_lam), *_ = calls
+    assert (lam_, critic_lam) == (lam, 1.0)
+    assert torch.equal(adv, common.gae(rewards, values, mask, 1.0, lam)[0])
+    assert torch.equal(ret, common.gae(rewards, values, mask, 1.0, 1.0)[1])
+    scores = rewards.sum(-1)
+    torch.testing.assert_close(ret, scores[:, None] * mask, atol=1e-6, rtol=0)
+    if lam < 1:  # lambda < 1 discounts the score back over the completion: the advantages are not R - V(s_t)
+        assert scores.abs().sum() > 0, "the test needs a rewarded completion"
+        assert not torch.allclose(adv, (scores[:, None] - values) * mask, atol=1e-4)

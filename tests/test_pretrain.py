@@ -1,0 +1,364 @@
+"""Value pretraining (critics.py, study/pretrain_critic.py) and ppo.py --critic-init: the fit regresses every response
+state on its rollout's reward and leaves the policy as it was; a critic saved and loaded gives the same values; a
+stopped pretraining resumes with only what is missing; ppo.py loads the file, records its cost apart and spends it
+from the budget when asked; bad values and foreign files are one `error:` line."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, check_ok, check_one_error_line, cli, run_here, step_rows
+
+import critics
+from critics import build_critic
+from plumbing import errors, models, rollout
+
+TOOL = "study.pretrain_critic"
+# The tool on the tiny model: a few seconds (toy reward: a target token appears)
+TOOL_TINY = ["--model", "tiny", "--task", "toy", "--max-new-tokens", "8", "--holdout", "16", "--chunk", "16",
+             "--no-progress"]  # fmt: skip
+# ppo.py with the same sampling (the critic file refuses another --max-new-tokens, --task or --prompt-format)
+PPO_TINY = dict(task="toy", max_new_tokens=8, eval_max_new_tokens=8, total_steps=1, mc_every=0)
+
+
+def tool(out: Path, *flags: str) -> list[str]:
+    return [*TOOL_TINY, "--out", str(out), *flags]
+
+
+def tiny_policy(seed: int = 1):
+    tok = models.load_tokenizer("tiny")
+    return models.load_model("tiny", tok, seed).requires_grad_(False), tok
+
+
+def fake_rollouts(tok, n: int = 12, seed: int = 0):
+    """Token lists of the tiny tokenizer's vocabulary and 0/1 scores: what a fit reads, without sampling."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = len(tok)
+    prompts = [torch.randint(3, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]  # fmt: skip
+    responses = [torch.randint(3, vocab, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(n)]  # fmt: skip
+    scores = (torch.rand(n, generator=g) < 0.5).double().tolist()
+    return prompts, responses, scores
+
+
+def values_of(policy, critic, tok, prompts, responses) -> torch.Tensor:
+    ids, mask, P = rollout.join_prompt_response(prompts, responses, tok.pad_token_id)
+    with torch.no_grad():
+        return critics.critic_values(policy, critic, ids, mask, P)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the fit and the file (critics.py)
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity", ["small", "full"])
+def test_the_values_fitted_are_the_ones_ppos_training_forward_reads(capacity):
+    """critic_values: V(s_t) at the same states as forward.PolicyForward's values (position P + t - 1), so that a
+    critic pretrained here predicts, in ppo.py, what it was fitted to predict."""
+    from plumbing import forward
+
+    policy, tok = tiny_policy()
+    prompts, responses, _ = fake_rollouts(tok)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        critic = build_critic(capacity, policy.config.hidden_size, policy)
+        for p in critic.parameters():  # the zero-initialised output layer would make any two readings agree
+            torch.nn.init.normal_(p, std=0.1)
+    ids, mask, P = rollout.join_prompt_response(prompts, responses, tok.pad_token_id)
+    with torch.no_grad():
+        trained = forward.PolicyForward(policy, critic)(ids, mask, P)[2]
+    # the same fp32 sums over other padding widths (PolicyForward trims to a multiple of 8): last bits only
+    torch.testing.assert_close(values_of(policy, critic, tok, prompts, responses), trained, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("capacity", ["small", "full"])
+def test_the_first_loss_is_every_state_regressed_on_its_rollouts_reward(capacity):
+    """One step on all rollouts from a zero-initialised critic (V = 0): the loss is 0.5 R^2 averaged over every
+    response token, each token's target its own rollout's score (the PPO way, a plain loop here); then it falls."""
+    policy, tok = tiny_policy()
+    prompts, responses, scores = fake_rollouts(tok)
+    lr = 1e-3 if capacity == "full" else 1e-2
+    critic, report = critics.build_and_fit(
+        capacity, policy, 1, prompts=prompts, responses=responses, scores=scores, lr=lr, epochs=6,
+        batch_size=len(prompts), pad_id=tok.pad_token_id, micro=5,
+    )  # fmt: skip
+    tokens = sum(len(r) for r in responses)
+    expected = sum(0.5 * s * s * len(r) for r, s in zip(responses, scores)) / tokens
+    assert report["losses"][0] == pytest.approx(expected, rel=1e-5)
+    assert report["final_loss"] < report["losses"][0]
+    assert report["trained_tokens"] == tokens * 6
+
+
+@pytest.mark.parametrize("capacity", ["small", "full"])
+def test_pretraining_leaves_the_policy_bitwise_unchanged(capacity):
+    policy, tok = tiny_policy()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    fingerprint = critics.model_fingerprint(policy)
+    prompts, responses, scores = fake_rollouts(tok)
+    critics.build_and_fit(capacity, policy, 1, prompts=prompts, responses=responses, scores=scores, lr=1e-2,
+                           epochs=2, batch_size=4, pad_id=tok.pad_token_id)  # fmt: skip
+    assert critics.model_fingerprint(policy) == fingerprint
+    assert all(torch.equal(v, before[k]) for k, v in policy.state_dict().items())
+
+
+def test_the_fingerprint_tells_one_bit_apart():
+    policy, _ = tiny_policy()
+    fingerprint = critics.model_fingerprint(policy)
+    with torch.no_grad():
+        w = next(policy.parameters())
+        w.view(-1)[0] = torch.nextafter(w.view(-1)[0], torch.tensor(float("inf")))
+    assert critics.model_fingerprint(policy) != fingerprint
+
+
+@pytest.mark.parametrize("capacity", ["small", "large", "full"])
+def test_a_pretrained_critic_saved_and_loaded_gives_the_same_values(tmp_path, capacity):
+    policy, tok = tiny_policy()
+    prompts, responses, scores = fake_rollouts(tok)
+    critic, _ = critics.build_and_fit(capacity, policy, 1, prompts=prompts, responses=responses, scores=scores,
+                                       lr=1e-2, epochs=2, batch_size=4, pad_id=tok.pad_token_id)  # fmt: skip
+    path = tmp_path / "critic.safetensors"
+    written = critics.save_critic_file(path, critic, {"capacity": capacity, "rollouts": 12})
+    assert critics.read_critic_record(path) == written and written["capacity"] == capacity
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(99)  # another init: the file's weights must replace it
+        fresh = build_critic(capacity, policy.config.hidden_size, policy)
+    assert not torch.equal(values_of(policy, fresh, tok, prompts, responses),
+                           values_of(policy, critic, tok, prompts, responses))  # fmt: skip
+    critics.load_critic_file(path, fresh)
+    assert torch.equal(values_of(policy, fresh, tok, prompts, responses),
+                       values_of(policy, critic, tok, prompts, responses))  # fmt: skip
+    assert not list(tmp_path.glob(".*tmp*")), "the atomic write left its temporary file"
+
+
+def test_a_critic_file_with_a_changed_weight_is_damage(tmp_path):
+    policy, _ = tiny_policy()
+    critic = build_critic("small", policy.config.hidden_size)
+    path = tmp_path / "critic.safetensors"
+    critics.save_critic_file(path, critic, {"capacity": "small"})
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # a bit of the last tensor's data; the header still parses
+    path.write_bytes(bytes(data))
+    with pytest.raises(errors.UserError, match="damaged: its weights are not the ones"):
+        critics.load_critic_file(path, build_critic("small", policy.config.hidden_size))
+
+
+# ------------------------------------------------------------------------------------------------------
+# the tool (study/pretrain_critic.py)
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--rollouts", "-5"], "--rollouts -5"),
+        (["--rollouts", "0"], "--rollouts 0"),
+        (["--critics", "huge"], "huge"),
+        (["--critics", "none"], "none"),
+        (["--epochs", "0"], "--epochs"),
+        (["--holdout", "-1"], "--holdout"),
+        (["--measure", "--mc-samples", "1"], "--mc-samples"),
+        (["--measure", "--mc-prompts", "32"], "--mc-prompts 32"),
+    ],
+)
+def test_the_tool_refuses_bad_values_in_one_line_and_writes_nothing(tmp_path, flags, named):
+    line = check_one_error_line(run_here(TOOL, tool(tmp_path / "out", "--rollouts", "16", *flags)))
+    assert named in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tool_imports_the_method_and_never_a_trainer():
+    tree = ast.parse((REPO / "study" / "pretrain_critic.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert "critics" in names and "measure" in names
+    assert not names & {"ppo", "grpo", "dpo", "preflight", "report", "sweep_runner"}
+
+
+def test_a_stopped_pretraining_resumes_with_only_what_is_missing(tmp_path, monkeypatch):
+    """SIGTERM after the second of three chunks: the run stops with those two saved; the same command again makes the
+    third alone, then the critic, which is bit for bit an uninterrupted run's; a third time makes nothing."""
+    import study.pretrain_critic as tool_module
+
+    calls: list[int] = []
+    real_sample, real_fit = tool_module.Work.sample, critics.fit_critic
+    fits: list[int] = []
+
+    def sample(self, idx, stream, step):
+        calls.append(step)
+        out = real_sample(self, idx, stream, step)
+        if stop_after and len(calls) == stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)  # the tool's handler sets its flag; it stops after saving
+        return out
+
+    def fit(*a, **kw):
+        fits.append(1)
+        return real_fit(*a, **kw)
+
+    monkeypatch.setattr(tool_module.Work, "sample", sample)
+    monkeypatch.setattr(critics, "fit_critic", fit)
+    flags = ("--rollouts", "40", "--critics", "small", "--epochs", "2")
+    stop_after = 2
+    first = run_here(TOOL, tool(tmp_path / "out", *flags))
+    check_ok(first)
+    assert "stopped by SIGTERM" in first.stdout and calls == [0, 1] and not fits
+    assert sorted(p.name for p in (tmp_path / "out" / "rollouts").glob("chunk-*")) == [
+        "chunk-00000.pt",
+        "chunk-00001.pt",
+    ]
+    assert not (tmp_path / "out" / "critic-small-n40.safetensors").exists()
+
+    stop_after, calls[:] = 0, []
+    second = run_here(TOOL, tool(tmp_path / "out", *flags))
+    check_ok(second)
+    assert calls == [2] and len(fits) == 1, "only the missing chunk and the fit"
+    assert "(1 chunk made now, 2 reused)" in second.stdout
+
+    calls[:], fits[:] = [], []
+    check_ok(run_here(TOOL, tool(tmp_path / "straight", *flags)))  # the same work, never stopped
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(tmp_path / run / "critic-small-n40.safetensors")) for run in ("out", "straight"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = (
+        critics.read_critic_record(tmp_path / run / "critic-small-n40.safetensors") for run in ("out", "straight")
+    )
+    assert {k: v for k, v in ra.items() if k != "fit_seconds"} == {k: v for k, v in rb.items() if k != "fit_seconds"}
+
+    calls[:], fits[:] = [], []
+    check_ok(run_here(TOOL, tool(tmp_path / "out", *flags)))
+    assert calls == [] and fits == [], "everything was there: nothing made again"
+
+
+def test_a_folder_of_other_settings_is_refused(tmp_path):
+    check_ok(run_here(TOOL, tool(tmp_path / "out", "--rollouts", "16", "--epochs", "1")))
+    line = check_one_error_line(run_here(TOOL, tool(tmp_path / "out", "--rollouts", "16", "--temperature", "0.5")))
+    assert "temperature" in line and "choose another --out" in line
+    line = check_one_error_line(run_here(TOOL, tool(tmp_path / "out", "--rollouts", "16", "--epochs", "2")))
+    assert "critic-small-n16" in line
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A small critic pretrained on 32 rollouts of the tiny model (seed 1), and the held-out curve beside it."""
+    out = tmp_path_factory.mktemp("pretrained") / "out"
+    flags = ("--rollouts", "16", "32", "--critics", "small", "--measure", "--mc-prompts", "8", "--mc-chunk", "4",
+             "--mc-samples", "2")  # fmt: skip
+    check_ok(run_here(TOOL, tool(out, *flags)))
+    return out
+
+
+def test_the_record_says_what_the_critic_was_fitted_on(pretrained):
+    record = critics.read_critic_record(pretrained / "critic-small-n32.safetensors")
+    chunks = [torch.load(p, weights_only=True) for p in sorted((pretrained / "rollouts").glob("chunk-*.pt"))]
+    assert record["rollouts"] == 32 and record["tokens"] == sum(int(c["response_len"].sum()) for c in chunks)
+    held = record["holdout"]
+    assert record["prompts"] and max(record["prompts"]) < held["first"], "a held-out prompt was pretrained on"
+    assert record["model"]["fingerprint"] == critics.model_fingerprint(tiny_policy(1)[0])
+    assert record["sampling"] == {"task": "toy", "temperature": 1.0, "max_new_tokens": 8, "prompt_format": "chat"}
+    assert record["lr"] == 1e-3 and record["epochs"] == 4 and record["seed"] == 1
+    assert len(record["losses"]) == 4 and record["final_loss"] == record["losses"][-1]
+
+
+def test_the_curve_holds_each_critic_and_its_g_star(pretrained):
+    curve = json.loads((pretrained / "curve.json").read_text())
+    rows = {(r["capacity"], r["rollouts"]): r for r in curve["rows"]}
+    assert set(rows) == {("constant", 16), ("constant", 32), ("small", 16), ("small", 32)}
+    assert curve["heldout"]["prompts"] == 8 and curve["grpo_prompt_nmse"]["8"] == pytest.approx(1 / 7)
+    for r in rows.values():
+        p = r["prompt"]
+        assert p["states"] == 8
+        if p["nmse"] is not None and p["nmse"] > 0:
+            assert p["g_star"][0] == pytest.approx(1 + 1 / p["nmse"])
+    assert rows["constant", 32]["value_explained_variance"] == pytest.approx(0, abs=1e-6)  # a constant explains none
+    lines = (pretrained / "curve.csv").read_text().splitlines()
+    assert len(lines) == 1 + len(rows) and lines[0].startswith("capacity,rollouts,tokens")
+
+
+# ------------------------------------------------------------------------------------------------------
+# ppo.py --critic-init
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_ppo_loads_the_critic_and_records_its_pretraining_apart(pretrained, tmp_path, monkeypatch):
+    """The critic ppo.py trains from is the file's, bit for bit; results.json's critic_init and every metrics row say
+    the pretraining's rollouts and tokens, apart from the training's generated_tokens."""
+    path = pretrained / "critic-small-n32.safetensors"
+    loaded = []
+    real = critics.load_critic_init
+
+    def watched(args, critic, policy):
+        out = real(args, critic, policy)
+        loaded.append({k: v.clone() for k, v in critic.state_dict().items()})
+        return out
+
+    monkeypatch.setattr(critics, "load_critic_init", watched)
+    run_dir = tmp_path / "run"
+    check_ok(run_here("ppo.py", cli(run_dir, **PPO_TINY, critic="small", critic_init=path)))
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(loaded[0][k], v) for k, v in load_file(str(path)).items())
+    results = json.loads((run_dir / "results.json").read_text())
+    record = critics.read_critic_record(path)
+    init = results["critic_init"]
+    assert init["rollouts"] == 32 and init["tokens"] == record["tokens"] and init["paid"] is False
+    assert init["critic_sha256"] == record["tensors_sha256"]
+    rows = step_rows(run_dir)
+    assert results["generated_tokens"] == rows[-1]["generated_tokens"] <= 8 * 8, "one step of 8 rollouts, no more"
+    assert all(r["critic_init/tokens"] == record["tokens"] and r["critic_init/rollouts"] == 32 for r in rows)
+
+
+def test_paid_pretraining_is_spent_from_the_token_budget(pretrained, tmp_path):
+    """--count-critic-init-tokens: training gets the budget less the pretraining's tokens, and stops there (one step);
+    amortised, the same budget trains on (three steps, the cap, under it)."""
+    path = pretrained / "critic-small-n32.safetensors"
+    tokens = critics.read_critic_record(path)["tokens"]
+    budget = tokens + 40  # a step of 8 rollouts writes at most 64 tokens: paid, one step
+    assert budget > 3 * 64, "the amortised run must not reach the budget in its three steps"
+    steps = {}
+    for paid in (True, False):
+        run_dir = tmp_path / f"paid-{paid}"
+        flags = dict(PPO_TINY, total_steps=3, token_budget=budget, count_critic_init_tokens=paid or None)
+        check_ok(run_here("ppo.py", cli(run_dir, **flags, critic="small", critic_init=path)))
+        results = json.loads((run_dir / "results.json").read_text())
+        steps[paid] = results["steps"]
+        assert results["critic_init"]["paid"] is paid
+        if paid:
+            assert results["args"]["token_budget"] == 40 and results["critic_init"]["token_budget"] == budget
+            assert 40 <= results["generated_tokens"] < 40 + 64
+        else:
+            assert results["args"]["token_budget"] == budget and "token_budget" not in results["critic_init"]
+    assert steps == {True: 1, False: 3}
+
+
+@pytest.mark.parametrize("case", ["critic none", "another capacity", "another model", "another sampling", "missing",
+                                  "damaged", "budget spent", "no budget", "count without a file"])  # fmt: skip
+def test_ppo_refuses_a_critic_file_it_cannot_use_in_one_line(pretrained, tmp_path, case):
+    path = pretrained / "critic-small-n32.safetensors"
+    tokens = critics.read_critic_record(path)["tokens"]
+    if case == "damaged":
+        (tmp_path / "damaged.safetensors").write_bytes(path.read_bytes()[:200])
+    flags = {
+        "critic none": dict(critic="none", critic_init=path),
+        "another capacity": dict(critic="medium", critic_init=path),
+        "another model": dict(critic="small", critic_init=path, seed=2),  # the tiny model's weights are seeded
+        "another sampling": dict(critic="small", critic_init=path, max_new_tokens=16),
+        "missing": dict(critic="small", critic_init=tmp_path / "nope.safetensors"),
+        "damaged": dict(critic="small", critic_init=tmp_path / "damaged.safetensors"),
+        "budget spent": dict(critic="small", critic_init=path, token_budget=tokens, count_critic_init_tokens=True),
+        "no budget": dict(critic="small", critic_init=path, count_critic_init_tokens=True),
+        "count without a file": dict(critic="small", count_critic_init_tokens=True),
+    }[case]
+    line = check_one_error_line(run_here("ppo.py", cli(tmp_path / "run", **{**PPO_TINY, **flags})))
+    assert "--critic-init" in line or "--count-critic-init-tokens" in line
+    named = {"another model": "another policy", "another sampling": "--max-new-tokens 8", "damaged": "damaged",
+             "budget spent": "nothing would be left", "missing": "no such file"}  # fmt: skip
+    assert named.get(case, "") in line
+    assert not (tmp_path / "run").exists(), "a refused run leaves no folder"
