@@ -63,7 +63,12 @@ RUNS = {  # trainer, flags: every trainer, the MC measurement, both DPO regimes,
     "dpo-offline": ("dpo.py", dict(task="gsm8k", pairs="gold", batch_size=4, samples_per_prompt=2,
                                    offline_prompts=8, micro_batch_size=1, top_p=0.9)),
 }  # fmt: skip
-REL_TOL = 2e-5  # max |one - two| / max |one| per tensor, fp32 (measured: ~3e-6 and below)
+# max |one - two| / max |one| per tensor. Bound: each optimizer step rounds w + step to fp32 (u |w|, u = 2^-24 =
+# 6e-8) and takes Adam's step from gradients that differ in their last bits, a step that moves by their relative
+# difference at most (Adam divides by |g|), over <= 12 steps: a few 1e-7 (under AVX2 and scalar ATen kernels,
+# MKL_CBWR=COMPATIBLE and seeds 1-3, at most 1.9e-6: grpo). An element whose gradient cancels to its last bits could
+# step by up to lr either way (1e-4, far above this); in those runs none did (max |one - two| <= 3.6e-6).
+REL_TOL = 2e-5
 
 pytestmark = pytest.mark.slow  # torchrun
 
@@ -244,7 +249,13 @@ def assert_same_curve(one: Path, two: Path) -> None:
         for key, va in ra.items():
             if any(part in key for part in NOT_COMPARED) or not isinstance(va, float):
                 continue
-            # abs: means like pg_loss cancel terms of order 1, so their float noise is absolute, not relative
+            # Bound: each number is a mean of terms computed from inputs the runs round differently: statistics
+            # all-reduced in fp32 (the whitening mean, a sum of n <= 256 terms, which another order moves by at most
+            # n u = 1.5e-5 of their size; u = 2^-24) and, after the first update, weights within REL_TOL. Means whose
+            # terms cancel (pg_loss, approx_kl) carry that as an absolute error (abs), the rest as a relative one (rel,
+            # with room for the weights' share). Under AVX2 and scalar ATen kernels, MKL_CBWR=COMPATIBLE and seeds 1-3
+            # every run here stayed within 0.1 of it; a bookkeeping error (a count not all-reduced, a gradient not
+            # averaged, another minibatch's rows) moves a number by a factor of the world size or more.
             close = pytest.approx(rb[key], rel=1e-4, abs=2e-5, nan_ok=True)  # NaN: nothing measured, on both
             assert va == close, f"step {ra['step']} {key}: {va} vs {rb[key]}"
 
@@ -417,13 +428,28 @@ def fsdp_missing() -> str | None:
 # at 0.3 a token of the second step flipped under FSDP on 2026-12-05's machine (step 1's rewards equal, step 2's
 # 0.375 and 0.5: FSDP's reduce-scatter sums the step-1 gradients in another order); at 0.1 none did
 FSDP_RUN = dict(RUNS["ppo"][1], critic="full", temperature=0.1)
+# Gradient clipping is the one place where FSDP's rounding reaches the weights. clip_grad_norm_ sums the squares
+# shard by shard and then over the ranks, one process tensor by tensor, so the norms differ in their last bits (a
+# few u = 2^-24 relative) and so does max_norm / norm, which multiplies every clipped element; where a clipped
+# element lies below Adam's eps (1e-8) Adam's step is proportional to it, and the difference enters the weights,
+# then the next minibatch's norm, then its clip. This run makes that visible: lr 1e-4 at T = 0.1 (log-probs are
+# logits / 0.1) takes a sampled token's log-prob from -2.3 to -27 in two Adam steps, and the k3 KL term's gradient,
+# 1 - exp(ref - logp), is then -e^24.6 = -5e10 for that token: step 1's third minibatch has a norm of 9.9e10 (its
+# four: 63, 45, 9.9e10, 2e6; the logged mean 2.5e10). A norm made of one exp(d) term moves by |delta d|, the
+# token's log-prob difference between the runs in nats, relative: 1.1e-4 on an Intel Xeon, 1.3e-4 on an AMD EPYC,
+# MKL_CBWR=COMPATIBLE 2.5e-4 at step 2, fed back through three clipped steps. With max_norm / norm above 1 the
+# clip multiplies by exactly 1 (it is clamped): both runs take bitwise the same four optimizer steps of step 1
+# (measured: AVX2 and ATen's scalar kernels), and the norms differ by their own summation only (1e-7). Clipping
+# under FSDP is checked by test_fsdp_shards_qwen2_..., whose one clipped step starts from equal weights.
+UNCLIPPED = 1e30  # --max-grad-norm above any norm: the clip is a multiplication by 1
 
 
 @pytest.mark.skipif(fsdp_missing() is not None, reason=str(fsdp_missing()))
 def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
     one, two = tmp_path / "one", tmp_path / "two"
-    for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **FSDP_RUN, fsdp=True)),
-                       "ppo.py", flags(one, data_dir, **FSDP_RUN)):  # fmt: skip
+    run = dict(FSDP_RUN, max_grad_norm=UNCLIPPED)  # see UNCLIPPED
+    for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True)),
+                       "ppo.py", flags(one, data_dir, **run)):  # fmt: skip
         check_ok(proc)
     ckpt = two / checkpoint.CHECKPOINT
     checkpoint.verify_checkpoint(ckpt)
@@ -437,7 +463,7 @@ def test_fsdp_two_ranks_equal_one_process_and_resume_on_one(tmp_path, data_dir):
     AutoModelForCausalLM.from_pretrained(ckpt / "policy")  # still a plain transformers folder
 
     # one more step: one process from its own checkpoint; the two-rank FSDP checkpoint resharded onto one rank
-    more = {**FSDP_RUN, "total_steps": 3}
+    more = {**run, "total_steps": 3}
     for proc in beside(torchrun_cmd("ppo.py", flags(two, data_dir, **more, fsdp=True, resume=True), 1),
                        "ppo.py", flags(one, data_dir, **more, resume=True)):  # fmt: skip
         check_ok(proc)
@@ -450,12 +476,14 @@ def test_fsdp_shards_qwen2_and_two_ranks_equal_one_process(tmp_path, data_dir):
     """The study's family under FSDP2: tiny-qwen2 (q/k/v biases, tied embeddings), its decoder layers sharded
     (Qwen2DecoderLayer, from transformers' _no_split_modules) with the full critic's; one step."""
     one, two = tmp_path / "one", tmp_path / "two"
-    # one minibatch: its gradient comes from bitwise-equal weights and rollouts. With two, Adam's first step moves
-    # each element by about +-lr whatever its gradient's size, so an element whose gradient cancels to rounding
-    # level moves the way the summation order (one process or an all-reduce) rounds, and the second minibatch's
-    # grad_norm (528 here, random q/k/v biases) differed by 2.6e-4 relative (2026-12-02); test_fsdp_two_ranks_...
-    # covers two minibatches under FSDP on Llama
-    run = dict(FSDP_RUN, model=models.TINY_QWEN2, total_steps=1, num_minibatches=1)
+    # One optimizer step (one minibatch, one epoch): its gradient comes from bitwise-equal weights and rollouts, so
+    # what is logged differs by summation order only, and the weights by what one clipped step does with a clip
+    # factor that differs in its last bits (Adam's first step, lr g / (|g| + eps), moves by at most its relative
+    # difference). A second step would start from weights that differ where the clip reached them (UNCLIPPED says
+    # how): with two minibatches grad_norm (528) differed by 2.6e-4 relative (2026-12-02); with two epochs the
+    # second norm, 6.7e10 (k3's exp, as in UNCLIPPED), by 3e-5. test_fsdp_two_ranks_... covers two minibatches
+    # and two epochs under FSDP on Llama
+    run = dict(FSDP_RUN, model=models.TINY_QWEN2, total_steps=1, num_minibatches=1, update_epochs=1)
     for proc in beside(
         torchrun_cmd("ppo.py", flags(two, data_dir, **run, fsdp=True)), "ppo.py", flags(one, data_dir, **run)
     ):
