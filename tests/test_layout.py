@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # sit on top; the trainers never import each other; the preflight, a layer above them, imports the trainer its
 # command names (its Args and CPU preset).
 LAYERS = [
-    ["plumbing.errors", "intervals", "critics"],
+    ["plumbing.errors", "plumbing.threads", "intervals", "critics"],
     ["plumbing.rundir", "plumbing.rollout", "plumbing.models", "plumbing.cmdline"],
     ["plumbing.distributed"],
     ["plumbing.runtime", "plumbing.forward"],
@@ -34,8 +34,8 @@ LAYERS = [
     ["report"],
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
-# sweep.sh starts before any trainer
-NO_TORCH = ["plumbing.errors", "plumbing.rundir", "plumbing.cmdline", "intervals", "sweep_runner"]
+# sweep.sh starts before any trainer; the scripts import plumbing.threads before torch (its wait policy)
+NO_TORCH = ["plumbing.errors", "plumbing.threads", "plumbing.rundir", "plumbing.cmdline", "intervals", "sweep_runner"]
 
 
 def modules() -> dict[str, Path]:
