@@ -29,6 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from plumbing import threads
+
+if __name__ == "__main__":  # run, not imported: OpenMP's wait, before torch loads libgomp (plumbing/threads.py)
+    threads.wait_passively()
+
 import torch
 import tyro
 from tqdm.auto import tqdm
@@ -265,6 +270,7 @@ def main() -> None:
     # ==================================================================================================
     # TRY NOT TO MODIFY: resume, banner, logging, evaluation, checkpoints
     # ==================================================================================================
+    cpu_threads = threads.use_threads(policy)  # the CPU's threads for the policy's size, on every rank
     state: dict = {}  # the checkpoint's, on --resume
     counters = {"step": 0, "generated_tokens": 0, "mc_tokens": 0, "eval_tokens": 0, "wall_time": 0.0}
     args_dict = dataclasses.asdict(args)  # results.json: every setting and the sizes
@@ -282,6 +288,7 @@ def main() -> None:
         data = f"{task}: train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
         banner = {
             "model": f"{args.model} ({distributed.count_params(policy):,} parameters)",
+            "threads": str(cpu_threads),
             **banner,
             "data": f"{data} ({data_used['folder']}), task {args.task}",
             "run_dir": str(run_dir) + (f" (resuming at step {counters['step']})" if args.resume else ""),

@@ -32,6 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from plumbing import threads
+
+if __name__ == "__main__":  # run, not imported: OpenMP's wait, before torch loads libgomp (plumbing/threads.py)
+    threads.wait_passively()
+
 import torch
 
 import common
@@ -268,6 +273,11 @@ def bound_names(stats: dict, measured: dict) -> list[str]:
     return out + ([] if measured.get("q2_unbiased", True) else ["se_perfect_states"])
 
 
+def threads_said(settings: dict) -> str:
+    """' (1 CPU thread, OpenMP wait passive)': the threads the sampling ran on, where settings record them."""
+    return f" ({settings['threads']})" if settings.get("threads") else ""
+
+
 def verdict(stats: dict, smallest_effect: float) -> tuple[bool, str]:
     """(passed, the one line the preflight prints). It passes when the predicted half-width of the report's 3-seed
     interval of GRPO's nmse at the prompt is at most the smallest effect worth detecting (0: any signal passes)."""
@@ -280,7 +290,8 @@ def verdict(stats: dict, smallest_effect: float) -> tuple[bool, str]:
 
     half = se.get("half_width_3_seeds")
     line = (
-        f"preflight: {stats['settings']['model']} on {stats['settings']['task']}: pass rate {stats['pass_rate']:.3f}, "
+        f"preflight: {stats['settings']['model']} on {stats['settings']['task']}{threads_said(stats['settings'])}: "
+        f"pass rate {stats['pass_rate']:.3f}, "
         f"outcome variance E[p(1-p)] {stats['signal']:.4f}, informative share {stats['informative']:.2f} "
         f"({stats['informative_prompts']} of {stats['prompts']} prompts x {stats['samples_per_prompt']}), "
         f"resolved inside d {num('resolved')} +- {num('se_resolved')}; one run's nmse, value +- SE ({se['prompt_states']} prompt states; "
@@ -347,6 +358,7 @@ def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict, dic
         model = models.load_model(args["model"], tokenizer, args["seed"]).to(device).eval()
     except errors.UserError as e:  # a model that cannot be fetched: the loader's reason, on one line
         raise errors.UserError(" ".join(str(e).split())) from None
+    cpu_threads = threads.use_threads(model)  # as the trainer would for this model
     train = splits["train"]
     idx = gsm8k.PromptSampler(len(train), args["seed"]).next(n)  # the run's own first prompts
     chunk = max(G, int(args["batch_size"]) * G)  # the trainer's rollout batch: its memory is already checked
@@ -368,7 +380,11 @@ def sample(args: dict, prompts: int) -> tuple[torch.Tensor, list[int], dict, dic
         scores += gsm8k.score(args["task"], texts, ids, [train[i].gold for i in part])
         lengths += [len(x) for x in ids]
         responses += ids
-    info = {"device": distributed.device_description(device, 1), "train_prompts": len(train)}
+    info = {
+        "device": distributed.device_description(device, 1),
+        "threads": cpu_threads.short(),
+        "train_prompts": len(train),
+    }
     states = sample_states(args, model, tokenizer, [train[i] for i in idx], responses[::G], chunk, device)
     return torch.tensor(scores, dtype=torch.float64).view(n, G), lengths, info, states
 

@@ -148,9 +148,10 @@ def as_trainer(script: str, args: list[str], threads: int | None = None):
         sys.argv = [f"{module.__name__}.py", *args]
         os.environ.update(trainer_env())
         os.environ.pop("RANK", None)
-        if threads is not None:
+        if threads is not None:  # as OMP_NUM_THREADS of a fresh process: the trainer's threads.use_threads reads it
             import torch
 
+            os.environ["OMP_NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
         try:
             yield module

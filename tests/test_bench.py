@@ -5,6 +5,7 @@ tiny-qwen2: whole, and killed by a 10 s limit; beside them its sizing arithmetic
 
 The trainers' part (d) is killed by its limit in the rehearsal (3 s): a full one takes 29 s on 2 CPU cores
 (2026-12-02; `T_D=300 bash bench/run_gpu.sh --tiny` runs it). TRL is not assumed installed: its part records a skip.
+bench/busy_machine.py runs a job that reports its thread variables and the busy processes beside it (nothing timed).
 """
 
 from __future__ import annotations
@@ -385,3 +386,42 @@ def test_decode_floor_reads_the_row_groups_widths():
         == two["kv_bytes_valid"]
         == pytest.approx(sum(sum(lens) + 8 + 16 * (t + 1) for t in range(T)) / T * slot)
     )
+
+
+# the job bench/busy_machine.py runs in the test below: its thread variables and the spinning processes beside it
+# (children of its parent, the benchmark, whose command line is the busy loop)
+_SEES_HOGS = """
+import os
+def parent(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+hogs = 0
+for pid in set(filter(str.isdigit, os.listdir("/proc"))) - {str(os.getpid())}:
+    try:
+        hogs += b"while True: pass" in open(f"/proc/{pid}/cmdline", "rb").read() and parent(pid) == os.getppid()
+    except OSError:
+        pass
+print(os.environ.get("OMP_NUM_THREADS"), os.environ.get("GOMP_SPINCOUNT"), hogs)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to see the busy processes")
+def test_busy_machine_runs_each_configuration_idle_and_beside_its_busy_processes():
+    """bench/busy_machine.py on a job that reports what it ran beside: the chosen configuration with no thread
+    variable, torch's with its count and libgomp's default spin; no busy process idle (those of the repeat before
+    were killed), --busy of them beside the busy runs; then the table of medians and ratios. Nothing timed."""
+    proc = subprocess.run(
+        [sys.executable, "bench/busy_machine.py", "--repeats", "2", "--busy", "2", "--", "-c", _SEES_HOGS],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=trainer_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs = [line for line in proc.stdout.splitlines() if line.startswith("repeat ")]
+    assert len(runs) == 8, proc.stdout
+    for line in runs:
+        condition, config, said = line.split()[2], line.split()[3], line.rsplit(": ", 1)[1].split()
+        assert said[2] == ("2" if condition == "busy" else "0"), line
+        if config == "chosen":
+            assert said[:2] == ["None", "None"], line
+        else:
+            assert said[0].isdigit() and int(said[0]) >= 1 and said[1] == "300000", line  # a fresh torch's count
+    table = proc.stdout.split("median wall time", 1)[1].splitlines()
+    assert [row.split()[0] for row in table[1:]] == ["chosen", "torch", "torch"], table

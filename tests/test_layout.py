@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # its command names (its Args and CPU preset). The root's report.py is the command `python report.py`: study/report.py's
 # entry point, the one module outside study/ that imports it.
 LAYERS = [
-    ["plumbing.errors", "intervals"],
+    ["plumbing.errors", "plumbing.threads", "intervals"],
     ["plumbing.rundir", "plumbing.rollout", "plumbing.models", "plumbing.cmdline"],
     ["plumbing.distributed"],
     ["plumbing.runtime", "plumbing.forward"],
@@ -38,8 +38,15 @@ LAYERS = [
     ["report"],
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
-# sweep.sh starts before any trainer
-NO_TORCH = ["plumbing.errors", "plumbing.rundir", "plumbing.cmdline", "intervals", "study.sweep_runner"]
+# sweep.sh starts before any trainer; the scripts import plumbing.threads before torch (its wait policy)
+NO_TORCH = [
+    "plumbing.errors",
+    "plumbing.threads",
+    "plumbing.rundir",
+    "plumbing.cmdline",
+    "intervals",
+    "study.sweep_runner",
+]
 ENTRY_POINTS = {"report": "study.report"}  # a command at the root -> the study module whose main it runs
 MAX_ROOT = 10  # Python files at the root: the trainers, the modules they import, the organism's recipe, the commands
 PACKAGES = ("plumbing", "study")
