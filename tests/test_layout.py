@@ -31,7 +31,7 @@ LAYERS = [
     ["plumbing.generation"],
     ["common", "critics"],
     ["gsm8k"],
-    ["measure"],
+    ["measure", "study.sweep_help"],
     ["ppo", "grpo", "dpo", "organism", "study.read_runs", "study.sweep_runner", "study.pretrain_critic"],
     ["study.preflight", "study.plots", "study.estimate"],
     ["study.report"],
@@ -39,7 +39,14 @@ LAYERS = [
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 # sweep.sh starts before any trainer
-NO_TORCH = ["plumbing.errors", "plumbing.rundir", "plumbing.cmdline", "intervals", "study.sweep_runner"]
+NO_TORCH = [
+    "plumbing.errors",
+    "plumbing.rundir",
+    "plumbing.cmdline",
+    "intervals",
+    "study.sweep_runner",
+    "study.sweep_help",
+]
 ENTRY_POINTS = {"report": "study.report"}  # a command at the root -> the study module whose main it runs
 MAX_ROOT = 10  # Python files at the root: the trainers, the modules they import, the organism's recipe, the commands
 PACKAGES = ("plumbing", "study")
