@@ -9,9 +9,13 @@
 #   ./sweep.sh --help      the options          ./sweep.sh --dry-run   the commands, run nothing
 #   ./sweep.sh --smoke     all of it on the CPU with a tiny random model, in minutes (docs/sweep.md)
 #
-# {tokens} and {steps} are the generated training tokens and the steps of the same seed's h2h/grpo-group run (its
-# results.json): matched compute is the same number of generated training tokens, and a run that reads them starts
-# after every run that does not. {10*steps} is a step cap the token budget, not the cap, ends.
+# {tokens} and {steps} are the generated training tokens and the steps of the same seed's reference GRPO run (its
+# results.json; --budget-from: the experiment's own, h2h/grpo-group by default): matched compute is the same number of
+# generated training tokens, and a run that reads them starts after every run that does not. {10*steps} is a step cap
+# the token budget, not the cap, ends. {out} is the sweep's folder.
+# A line whose script is a study module (study.pretrain_critic) is a step, not a trainer: it runs once for every seed,
+# among the runs without a budget, into OUT/<experiment>/<name> (--out, --model, --no-progress; no trainer's flag);
+# it resumes by itself, so it runs again each time and redoes only what is missing.
 # The experiments named in --default-experiments run unless --experiments says otherwise.
 set -euo pipefail
 # study/sweep_runner.py runs as a module of the repository's root (its imports are the root's), wherever this is run
@@ -19,7 +23,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 exec "${PYTHON:-python}" -P -m study.sweep_runner \
-  --default-experiments h2h,critic,labels --budget-from h2h/grpo-group "$@" <<'PLAN'
+  --default-experiments h2h,critic,labels --budget-from h2h/grpo-group,crossover/grpo-group "$@" <<'PLAN'
 # h2h: the three methods at matched compute. GRPO first, for the scale's steps: its tokens are the budget.
 # grpo-group-unscaled is Dr. GRPO's advantage (no division by the group's std): the baseline alone compared.
 h2h            grpo-group            grpo.py
@@ -47,6 +51,26 @@ critic-lambda  ppo-small             ppo.py --critic small  --mc-states 2 --lam 
 critic-lambda  ppo-medium            ppo.py --critic medium --mc-states 2 --lam 0.95
 critic-lambda  ppo-large             ppo.py --critic large  --mc-states 2 --lam 0.95
 critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 0.95
+
+# crossover (optional, --organism --experiments crossover): where a critic pretrained on the frozen policy equals
+# GRPO's group of G, sized for the organism's CPU preset (256 completions a step). First the critics' learning curve (study/pretrain_critic.py into OUT/crossover/curve: one pool of the frozen policy's rollouts, a critic
+# per capacity and number of rollouts, each measured on 512 held-out prompts against 16-sample Monte Carlo at the
+# prompt and 2 states inside), and beside it GRPO at G = 2, 4, 8, 16 with batch x G = 256 completions a step (the same
+# generated tokens a step), 60 steps, its baseline measured on 32 completions every 2 steps (G = 16: 16 every step);
+# then, at the tokens of G = 8, PPO with each critic pretrained on 4,096 rollouts (~156k tokens: 26% of the budget),
+# amortised (the pretraining free, as when one critic serves many runs) and paid (--count-critic-init-tokens: spent
+# from the budget). 3 seeds. On 2 idle cores, 2 runs at once on one thread each: ~90 min (docs/sweep.md).
+crossover      curve                 study.pretrain_critic --critics small medium large --rollouts 256 1024 4096 16384 --measure
+crossover      grpo-group-g2         grpo.py --group-size 2 --batch-size 128 --total-steps 60
+crossover      grpo-group-g4         grpo.py --group-size 4 --batch-size 64 --total-steps 60
+crossover      grpo-group            grpo.py --group-size 8 --batch-size 32 --total-steps 60
+crossover      grpo-group-g16        grpo.py --group-size 16 --batch-size 16 --total-steps 60 --mc-prompts 16 --mc-every 1
+crossover      ppo-small-n4096-amortised   ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-medium-n4096-amortised  ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-large-n4096-amortised   ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-small-n4096-paid        ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-medium-n4096-paid       ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-large-n4096-paid        ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 
 # labels: DPO's label regimes, self-labelled or gold pairs, offline or online, for the scale's steps
 labels         dpo-self-offline      dpo.py --pairs self
