@@ -328,6 +328,8 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "mc": mc_summary(rows, method),
         "curve": curve(rows),
         "data": res.get("data") if isinstance(res.get("data"), dict) else None,  # gsm8k.data_record
+        # ppo.py --critic-init's pretraining (critics.load_critic_init): its rollouts, tokens, whether paid
+        "critic_init": res.get("critic_init") if isinstance(res.get("critic_init"), dict) else None,
     }
 
 

@@ -33,7 +33,7 @@ LAYERS = [
     ["gsm8k"],
     ["measure", "study.sweep_help"],
     ["ppo", "grpo", "dpo", "organism", "study.read_runs", "study.sweep_runner", "study.pretrain_critic"],
-    ["study.preflight", "study.plots", "study.estimate"],
+    ["study.preflight", "study.plots", "study.estimate", "study.crossover"],
     ["study.report"],
     ["report"],
 ]
