@@ -85,4 +85,6 @@ smoke          *                     --total-steps 2 --max-new-tokens 8 --eval-e
 smoke          ppo.py                --eval-batch-size 8 --batch-size 4 --micro-batch-size 4 --num-minibatches 2 --mc-every 1 --mc-prompts 2 --mc-samples 4
 smoke          grpo.py               --eval-batch-size 8 --batch-size 2 --group-size 2 --micro-batch-size 4 --num-minibatches 2 --mc-every 1 --mc-prompts 2 --mc-samples 4
 smoke          dpo.py                --eval-batch-size 2 --batch-size 2 --micro-batch-size 2 --samples-per-prompt 2 --offline-prompts 8
+# the crossover's curve (a step: none of the trainers' flags above): the runs' sampling, a small held-out measurement
+smoke          study.pretrain_critic --max-new-tokens 8 --holdout 64 --mc-prompts 8 --mc-samples 4
 PLAN
