@@ -72,8 +72,9 @@ def read_curve(path: Path) -> dict[str, Any]:
         assert isinstance(rows, list) and rows, "no rows"
         for r in rows:
             assert isinstance(r["capacity"], str), "a capacity that is not a name"
-            n = r["rollouts"]
-            assert isinstance(n, int) and not isinstance(n, bool) and n > 0, f"rollouts {n!r}"
+            n = r["rollouts"]  # the linear read-out's: None (it is fitted on the held-out targets, cross-validated)
+            ok = isinstance(n, int) and not isinstance(n, bool) and n > 0 or (n is None and r["capacity"] == "linear")
+            assert ok, f"rollouts {n!r}"
             for part in PARTS:
                 if part in r:
                     for key in ("nmse", "nmse_lo", "nmse_hi"):
@@ -84,7 +85,7 @@ def read_curve(path: Path) -> dict[str, Any]:
         raise errors.UserError(f"{path} cannot be read ({e.strerror})") from None
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise errors.UserError(f"{path} is damaged: {type(e).__name__} {e}") from None
-    curve["rows"] = sorted(rows, key=lambda r: (capacity_order(r["capacity"]), r["rollouts"]))
+    curve["rows"] = sorted(rows, key=lambda r: (capacity_order(r["capacity"]), r["rollouts"] or 0))
     return curve
 
 
@@ -201,8 +202,9 @@ def curve_table(curve: dict[str, Any], groups: tuple[int, ...]) -> list[str]:
         nmse = part_of(r, "prompt")
         gs = g_star(*nmse)
         under = [str(G) for G in groups if finite(nmse[0]) and nmse[0] < grpo_line(G)]
+        n = f"{r['rollouts']:,}" if r["rollouts"] else f"none ({r.get('folds', '?')}-fold on the held-out targets)"
         rows.append([
-            r["capacity"], f"{r['rollouts']:,}", fmt_tokens(number(r.get("tokens"))), fmt_interval(*nmse),
+            r["capacity"], n, fmt_tokens(number(r.get("tokens"))), fmt_interval(*nmse),
             fmt_interval(*gs, digits=1), ", ".join(under) or "none",
             fmt_interval(*part_of(r, "inside")), fmt_interval(*part_of(r, "all")),
             fmt_num(number(r.get("value_explained_variance"))),
@@ -456,8 +458,8 @@ def plot_curve(
             ys = [part_of(r, part)[0] for r in rows]
             if rows and any(finite(y) for y in ys):
                 label = "constant baseline" if cap == "constant" else "linear read-out (ceiling)"
-                if len(rows) == 1:
-                    ax.axhline(ys[0], color="black", ls=style, lw=1, label=label)
+                if len(rows) == 1 or cap == "linear":
+                    ax.axhline(ys[-1], color="black", ls=style, lw=1, label=label)
                 else:
                     ax.plot([r["rollouts"] for r in rows], ys, color="black", ls=style, lw=1, label=label)
         for G in groups:
