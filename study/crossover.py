@@ -444,7 +444,7 @@ def plot_curve(
     constant baseline dotted, the linear read-out dash-dot. -> path"""
     groups = check_groups(groups)
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=False)
-    ns = sorted({r["rollouts"] for r in curve["rows"]})
+    ns = sorted({r["rollouts"] for r in curve["rows"] if r["rollouts"]})
     for ax, part in zip(axes, ("prompt", "all")):
         for cap, rows in critics_of(curve).items():
             xs = [r["rollouts"] for r in rows]
