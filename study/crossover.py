@@ -202,7 +202,11 @@ def curve_table(curve: dict[str, Any], groups: tuple[int, ...]) -> list[str]:
         nmse = part_of(r, "prompt")
         gs = g_star(*nmse)
         under = [str(G) for G in groups if finite(nmse[0]) and nmse[0] < grpo_line(G)]
-        n = f"{r['rollouts']:,}" if r["rollouts"] else f"none ({r.get('folds', '?')}-fold on the held-out targets)"
+        n = (
+            f"{r['rollouts']:,}"
+            if r["rollouts"]
+            else f"none (fitted on the held-out targets, {r.get('folds', '?')} folds)"
+        )
         rows.append([
             r["capacity"], n, fmt_tokens(number(r.get("tokens"))), fmt_interval(*nmse),
             fmt_interval(*gs, digits=1), ", ".join(under) or "none",
@@ -307,7 +311,7 @@ def ceiling_lines(curve: dict[str, Any]) -> list[str]:
     if not rows:
         return [
             "TODO: not measured. This curve.json has no linear read-out of the frozen policy's hidden state (a ridge "
-            "fitted to the Monte Carlo targets, cross-validated over the held-out prompts, at the prompt and inside "
+            "fitted to the Monte Carlo targets, cross-fitted over the held-out prompts, at the prompt and inside "
             "completions), so how far each critic stands from what its features allow is not known here; "
             'study/pretrain_critic.py --measure writes it as the "linear" row.'
         ]
@@ -316,7 +320,8 @@ def ceiling_lines(curve: dict[str, Any]) -> list[str]:
     x, lo, hi = part_of(r, "prompt")
     return [
         f"The best linear read-out of the frozen policy's last hidden state (a ridge on the Monte Carlo targets, "
-        f"{r.get('folds', 2)}-fold cross-validated over the held-out prompts, its penalty chosen inside each fold): "
+        f"cross-fitted over the held-out prompts in {r.get('folds', '?')} folds, so that no prompt's values come from a "
+        "fit on its own targets, the penalty chosen inside each fit by generalised cross-validation): "
         f"nmse {parts}; G* at the prompt {fmt_interval(*g_star(x, lo, hi), digits=1)}. A head reads the same "
         "features: below this line it cannot go but by chance."
     ]

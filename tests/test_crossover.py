@@ -163,7 +163,7 @@ def write_curve(folder: Path, linear: bool = False) -> Path:
         rows.append({"capacity": cap, "rollouts": n, "tokens": 40 * n, "prompt": part(x, half),
                      "inside": part(2 * x, 0.1), "all": part(1.5 * x, 0.05), "value_explained_variance": 0.2})  # fmt: skip
     if linear:
-        rows.append({"capacity": "linear", "rollouts": None, "folds": 2, "prompt": part(0.22, 0.02),
+        rows.append({"capacity": "linear", "rollouts": None, "folds": 8, "prompt": part(0.22, 0.02),
                      "inside": part(0.53, 0.05), "all": part(0.4, 0.04)})  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
     curve = {"heldout": {"prompts": 512, "states": 1536, "mc_samples": 16, "pass_rate": 0.24,
@@ -288,7 +288,9 @@ def test_the_section_on_known_inputs_and_its_figure(tmp_path):
     write_curve(out / "crossover" / "curve", linear=True)
     md = report.write_report(out, out / "report").read_text()
     assert "TODO" not in md and "nmse at the prompt 0.220 [0.200, 0.240]; inside completions 0.530" in md
-    assert "| linear | none (2-fold on the held-out targets) | - | 0.220 [0.200, 0.240] | 5.5 [5.2, 6.0] |" in md
+    assert (
+        "| linear | none (fitted on the held-out targets, 8 folds) | - | 0.220 [0.200, 0.240] | 5.5 [5.2, 6.0] |" in md
+    )
 
 
 def test_a_folder_without_the_crossovers_parts_has_no_section_and_a_damaged_curve_is_named(tmp_path):

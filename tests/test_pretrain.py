@@ -272,7 +272,7 @@ def test_the_curve_holds_each_critic_and_its_g_star(pretrained):
     rows = {(r["capacity"], r["rollouts"]): r for r in curve["rows"]}
     assert set(rows) == {("constant", 16), ("constant", 32), ("small", 16), ("small", 32), ("linear", None)}
     linear = rows.pop(("linear", None))  # the ceiling: no pretraining rollouts, fitted on held-out Monte Carlo
-    assert linear["folds"] == 2 and linear["prompt"]["states"] == 8 and set(linear["penalties"]) <= {"prompt", "inside"}
+    assert linear["folds"] == 8 and linear["prompt"]["states"] == 8 and set(linear["penalties"]) <= {"prompt", "inside"}
     assert curve["heldout"]["prompts"] == 8 and curve["grpo_prompt_nmse"]["8"] == pytest.approx(1 / 7)
     for r in rows.values():
         p = r["prompt"]
@@ -291,12 +291,11 @@ def test_the_ridge_reads_a_linear_target_and_its_penalty_grows_with_the_noise():
     x = torch.randn(200, 6, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10, 0.1, 1, 1, 1])  # scales differ
     beta = torch.tensor([0.5, -0.02, 3.0, 0.0, 0.1, 0.0], dtype=torch.float64)
     y = 0.3 + x @ beta
-    unit = torch.arange(200) // 2  # two states a prompt
-    clean = pc.choose_penalty(x, y, unit)
+    clean = pc.choose_penalty(x, y)
     assert clean == min(pc.PENALTIES)
     assert torch.allclose(pc.ridge(x, y, clean)(x), y, atol=0.05)  # a linear target read back
     noise = torch.randn(200, generator=g, dtype=torch.float64)
-    assert pc.choose_penalty(x, noise, unit) > clean  # nothing to read: the fit shrinks to the mean
+    assert pc.choose_penalty(x, noise) > 100 * clean  # nothing to read: the fit shrinks towards the mean
 
 
 def test_the_linear_read_out_is_cross_fitted_a_prompts_values_from_the_fold_that_never_saw_it(monkeypatch):
@@ -323,8 +322,8 @@ def test_the_linear_read_out_is_cross_fitted_a_prompts_values_from_the_fold_that
     changed["mc"][row == 0] += 1.0  # prompt 0, fold 0
     after, _ = pc.Work.linear_values(me, changed)
     fold = torch.arange(n) % pc.FOLDS
-    assert torch.equal(after[fold == 0], before[fold == 0])  # fold 0's values come from fold 1's fit
-    assert not torch.equal(after[fold == 1], before[fold == 1])
+    assert torch.equal(after[fold == 0], before[fold == 0])  # fold 0's values come from the fit on the others
+    assert all(not torch.equal(after[fold == f], before[fold == f]) for f in range(1, pc.FOLDS))
     assert (before[:, 1:] != 0).all() and (before != 0).all()  # every state read, the prompt's and inside
 
 
