@@ -53,18 +53,22 @@ critic-lambda  ppo-large             ppo.py --critic large  --mc-states 2 --lam 
 critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 0.95
 
 # crossover (optional, --organism --experiments crossover): where a critic pretrained on the frozen policy equals
-# GRPO's group of G, sized for the organism's CPU preset (256 completions a step). First the critics' learning curve (study/pretrain_critic.py into OUT/crossover/curve: one pool of the frozen policy's rollouts, a critic
-# per capacity and number of rollouts, each measured on 512 held-out prompts against 16-sample Monte Carlo at the
-# prompt and 2 states inside), and beside it GRPO at G = 2, 4, 8, 16 with batch x G = 256 completions a step (the same
-# generated tokens a step), 60 steps, its baseline measured on 32 completions every 2 steps (G = 16: 16 every step);
-# then, at the tokens of G = 8, PPO with each critic pretrained on 4,096 rollouts (~156k tokens: 26% of the budget),
-# amortised (the pretraining free, as when one critic serves many runs) and paid (--count-critic-init-tokens: spent
-# from the budget). 3 seeds. On 2 idle cores, 2 runs at once on one thread each: ~90 min (docs/sweep.md).
+# GRPO's group of G, sized for the organism's CPU preset (256 completions a step). First the critics' learning curve
+# (a step: study/pretrain_critic.py into OUT/crossover/curve, one pool of the frozen policy's rollouts, a critic per
+# capacity and number of rollouts, each measured on 512 held-out prompts against 16-sample Monte Carlo at the prompt
+# and 2 states inside, and the linear read-out beside them), and beside it GRPO at G = 2, 4, 8, 16 with batch x G =
+# 256 completions a step (the same generated tokens a step) for 50 steps, its baseline measured on 32 completions
+# every 2 steps (G = 16: 16 every step); then, at the tokens of the same seed's G = 8 run, PPO with each capacity's
+# critic pretrained on 4,096 rollouts (156k tokens, a third of the ~490k budget), amortised (its pretraining free, as
+# when one critic serves many runs) and paid (--count-critic-init-tokens: spent from the budget). 3 seeds.
+# Estimate on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md: from the committed organism runs'
+# step times): the curve ~10 min beside 12 GRPO runs of ~5.3 min, ~37 min; then 9 amortised PPO runs of ~5.1 min
+# and 9 paid ones of ~3.6 min, ~39 min; ~80 min in all. A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large --rollouts 256 1024 4096 16384 --measure
-crossover      grpo-group-g2         grpo.py --group-size 2 --batch-size 128 --total-steps 60
-crossover      grpo-group-g4         grpo.py --group-size 4 --batch-size 64 --total-steps 60
-crossover      grpo-group            grpo.py --group-size 8 --batch-size 32 --total-steps 60
-crossover      grpo-group-g16        grpo.py --group-size 16 --batch-size 16 --total-steps 60 --mc-prompts 16 --mc-every 1
+crossover      grpo-group-g2         grpo.py --group-size 2 --batch-size 128 --total-steps 50
+crossover      grpo-group-g4         grpo.py --group-size 4 --batch-size 64 --total-steps 50
+crossover      grpo-group            grpo.py --group-size 8 --batch-size 32 --total-steps 50
+crossover      grpo-group-g16        grpo.py --group-size 16 --batch-size 16 --total-steps 50 --mc-prompts 16 --mc-every 1
 crossover      ppo-small-n4096-amortised   ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-medium-n4096-amortised  ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-large-n4096-amortised   ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
