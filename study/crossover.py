@@ -305,7 +305,7 @@ def accuracy_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]]) ->
 
 def ceiling_lines(curve: dict[str, Any]) -> list[str]:
     """(v): the best linear read-out of the frozen policy's hidden state (pretrain_critic.py's "linear" row: a ridge
-    fitted to the Monte Carlo targets, cross-validated over the held-out prompts), or a line saying it is not
+    fitted to the Monte Carlo targets, cross-fitted over the held-out prompts), or a line saying it is not
     measured."""
     rows = [r for r in curve["rows"] if r["capacity"] == "linear"]
     if not rows:
@@ -322,8 +322,9 @@ def ceiling_lines(curve: dict[str, Any]) -> list[str]:
         f"The best linear read-out of the frozen policy's last hidden state (a ridge on the Monte Carlo targets, "
         f"cross-fitted over the held-out prompts in {r.get('folds', '?')} folds, so that no prompt's values come from a "
         "fit on its own targets, the penalty chosen inside each fit by generalised cross-validation): "
-        f"nmse {parts}; G* at the prompt {fmt_interval(*g_star(x, lo, hi), digits=1)}. A head reads the same "
-        "features: below this line it cannot go but by chance."
+        f"nmse {parts}; G* at the prompt {fmt_interval(*g_star(x, lo, hi), digits=1)}. The heads read the same "
+        "features: a head above this line has not learned what a linear read-out of them gives (an MLP goes below "
+        "it only by what is not linear in them); the full critic computes features of its own."
     ]
 
 
@@ -400,7 +401,7 @@ def curve_lines(curve: dict[str, Any], groups: tuple[int, ...], grpo: dict[int, 
         "### The rollouts at which each critic crosses each G",
         "",
         "At the prompt, against 1/(G-1): the first number of pretraining rollouts whose nmse lies below GRPO's, in "
-        "brackets the first whose whole 95% interval does (never: no n measured).",
+        "brackets the first whose whole 95% interval does (never: at no n measured).",
         "",
         *crossing_table(curve, groups, "prompt"),
     ]
