@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, check_ok, check_one_error_line, run_sweep, trainer_env
+from helpers import REPO, check_ok, check_one_error_line, run_here, run_sweep, trainer_env
 
 import intervals
 from study import crossover, read_runs, report, sweep_runner
@@ -318,16 +318,14 @@ def test_the_command_on_a_curve_alone_and_its_bad_input(tmp_path, args, message)
     folder = tmp_path / "curve"
     if args:
         write_curve(folder)
-    proc = subprocess.run([sys.executable, "-m", "study.crossover", str(folder), *args], cwd=REPO, env=trainer_env(),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = run_here("study.crossover", [str(folder), *args])
     assert message in check_one_error_line(proc)
     assert not (folder / crossover.FIGURE).exists()
 
 
 def test_the_command_writes_the_tables_and_the_figure_beside_the_curve(tmp_path):
     write_curve(tmp_path, linear=True)
-    proc = subprocess.run([sys.executable, "-m", "study.crossover", str(tmp_path), "--groups", "4", "8"], cwd=REPO,
-                          env=trainer_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = run_here("study.crossover", [str(tmp_path), "--groups", "4", "8"])
     check_ok(proc)
     assert "| critic | G = 4 | G = 8 |" in proc.stdout and "| large | 256 [256] | 4,096 [4,096] |" in proc.stdout
     assert (tmp_path / crossover.FIGURE).read_bytes()[:8] == PNG
