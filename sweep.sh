@@ -9,9 +9,13 @@
 #   ./sweep.sh --help      the options          ./sweep.sh --dry-run   the commands, run nothing
 #   ./sweep.sh --smoke     all of it on the CPU with a tiny random model, in minutes (docs/sweep.md)
 #
-# {tokens} and {steps} are the generated training tokens and the steps of the same seed's h2h/grpo-group run (its
-# results.json): matched compute is the same number of generated training tokens, and a run that reads them starts
-# after every run that does not. {10*steps} is a step cap the token budget, not the cap, ends.
+# {tokens} and {steps} are the generated training tokens and the steps of the same seed's reference GRPO run (its
+# results.json; --budget-from: the experiment's own, h2h/grpo-group by default): matched compute is the same number of
+# generated training tokens, and a run that reads them starts after every run that does not. {10*steps} is a step cap
+# the token budget, not the cap, ends. {out} is the sweep's folder.
+# A line whose script is a study module (study.pretrain_critic) is a step, not a trainer: it runs once for every seed,
+# among the runs without a budget, into OUT/<experiment>/<name> (--out, --model, --no-progress; no trainer's flag);
+# it resumes by itself, so it runs again each time and redoes only what is missing.
 # The experiments named in --default-experiments run unless --experiments says otherwise.
 set -euo pipefail
 # study/sweep_runner.py runs as a module of the repository's root (its imports are the root's), wherever this is run
@@ -19,7 +23,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 exec "${PYTHON:-python}" -P -m study.sweep_runner \
-  --default-experiments h2h,critic,labels --budget-from h2h/grpo-group "$@" <<'PLAN'
+  --default-experiments h2h,critic,labels --budget-from h2h/grpo-group,crossover/grpo-group "$@" <<'PLAN'
 # h2h: the three methods at matched compute. GRPO first, for the scale's steps: its tokens are the budget.
 # grpo-group-unscaled is Dr. GRPO's advantage (no division by the group's std): the baseline alone compared.
 h2h            grpo-group            grpo.py
@@ -48,6 +52,30 @@ critic-lambda  ppo-medium            ppo.py --critic medium --mc-states 2 --lam 
 critic-lambda  ppo-large             ppo.py --critic large  --mc-states 2 --lam 0.95
 critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 0.95
 
+# crossover (optional, --organism --experiments crossover): where a critic pretrained on the frozen policy equals
+# GRPO's group of G, sized for the organism's CPU preset (256 completions a step). First the critics' learning curve
+# (a step: study/pretrain_critic.py into OUT/crossover/curve, one pool of the frozen policy's rollouts, a critic per
+# capacity and number of rollouts, each measured on 512 held-out prompts against 16-sample Monte Carlo at the prompt
+# and 2 states inside, and the linear read-out beside them), and beside it GRPO at G = 2, 4, 8, 16 with batch x G =
+# 256 completions a step (the same generated tokens a step) for 50 steps, its baseline measured on 32 completions
+# every 2 steps (G = 16: 16 every step); then, at the tokens of the same seed's G = 8 run, PPO with each capacity's
+# critic pretrained on 4,096 rollouts (156k tokens, a third of the ~490k budget), amortised (its pretraining free, as
+# when one critic serves many runs) and paid (--count-critic-init-tokens: spent from the budget). 3 seeds.
+# Estimate on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md: from the committed organism runs'
+# step times): the curve ~10 min beside 12 GRPO runs of ~5.3 min, ~37 min; then 9 amortised PPO runs of ~5.1 min
+# and 9 paid ones of ~3.6 min, ~39 min; ~80 min in all. A stopped sweep resumes where it stopped.
+crossover      curve                 study.pretrain_critic --critics small medium large --rollouts 256 1024 4096 16384 --measure
+crossover      grpo-group-g2         grpo.py --group-size 2 --batch-size 128 --total-steps 50
+crossover      grpo-group-g4         grpo.py --group-size 4 --batch-size 64 --total-steps 50
+crossover      grpo-group            grpo.py --group-size 8 --batch-size 32 --total-steps 50
+crossover      grpo-group-g16        grpo.py --group-size 16 --batch-size 16 --total-steps 50 --mc-prompts 16 --mc-every 1
+crossover      ppo-small-n4096-amortised   ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-medium-n4096-amortised  ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-large-n4096-amortised   ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-small-n4096-paid        ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-medium-n4096-paid       ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-large-n4096-paid        ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+
 # labels: DPO's label regimes, self-labelled or gold pairs, offline or online, for the scale's steps
 labels         dpo-self-offline      dpo.py --pairs self
 labels         dpo-self-online       dpo.py --pairs self --online
@@ -61,4 +89,6 @@ smoke          *                     --total-steps 2 --max-new-tokens 8 --eval-e
 smoke          ppo.py                --eval-batch-size 8 --batch-size 4 --micro-batch-size 4 --num-minibatches 2 --mc-every 1 --mc-prompts 2 --mc-samples 4
 smoke          grpo.py               --eval-batch-size 8 --batch-size 2 --group-size 2 --micro-batch-size 4 --num-minibatches 2 --mc-every 1 --mc-prompts 2 --mc-samples 4
 smoke          dpo.py                --eval-batch-size 2 --batch-size 2 --micro-batch-size 2 --samples-per-prompt 2 --offline-prompts 8
+# the crossover's curve (a step: none of the trainers' flags above): the runs' sampling, a small held-out measurement
+smoke          study.pretrain_critic --max-new-tokens 8 --holdout 64 --mc-prompts 8 --mc-samples 4
 PLAN

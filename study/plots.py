@@ -1,9 +1,9 @@
 """The report's figures: the crossover (accuracy against a baseline's error), the curves, the errors, one run's curves.
 
 Each function takes matplotlib's pyplot (imported by the caller, report.py, only when installed) and the runs as
-read_runs.py reads them, and writes one PNG. Does not hold: reading runs (read_runs.py), the tables (report.py).
-Reads one number of grpo.py's (its study's group size G, the 1/(G-1) a run without a group is read against) from
-its source, as cmdline.trainer_default does, without importing it.
+read_runs.py reads them, and writes one PNG. Does not hold: reading runs (read_runs.py, which also reads the study's
+group size G, the 1/(G-1) a run without a group is read against), the tables (report.py), the crossover's curve and
+its figure (crossover.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import intervals
-from plumbing import cmdline, errors, rundir
+from plumbing import errors, rundir
 from study.read_runs import (
     EXPERIMENTS,
     MC_BASELINE,
+    STUDY_GROUP,
     finite,
     fmt_pct,
     mc_summary,
@@ -229,7 +230,7 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path, note: str = ""
         for r in runs:
             if r["experiment"] == exp:
                 by_run.setdefault(r["run"], []).append(r)
-        use_tokens = exp == "h2h"  # matched compute: against generated tokens
+        use_tokens = exp in ("h2h", "crossover")  # matched compute: against generated tokens
         for i, (kind, label) in enumerate((("val", "validation accuracy (%)"), ("reward", "training reward"))):
             ax = axes[i][j]
             drawn: dict[tuple, list[str]] = {}  # a curve's points -> the runs drawn with them
@@ -274,7 +275,8 @@ def plot_curves(plt: Any, runs: list[dict[str, Any]], path: Path, note: str = ""
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
             if i == 0:
-                ax.set_title({"critic": "critic sweep", "h2h": "head-to-head (matched tokens)"}.get(exp, exp))
+                ax.set_title({"critic": "critic sweep", "h2h": "head-to-head (matched tokens)",
+                              "crossover": "crossover: G and pretrained critics (matched tokens)"}.get(exp, exp))  # fmt: skip
                 if ax.get_legend_handles_labels()[0]:  # no curve drawn (no metric logged): no legend
                     ax.legend(fontsize=7, loc="best")
     if note:
@@ -438,9 +440,6 @@ BASELINE_NAMES = {
     "group": "GRPO's group mean with its own reward",
 }
 POINTS = "a point: one measurement (its metrics row logs sums over its prompts, not their spread: no interval)"
-# GRPO's G in the study (grpo.py's default, read from its source: no study tool imports a trainer), the reference for a
-# run that has no group of its own
-STUDY_GROUP = cmdline.trainer_default("grpo.py", "group_size")
 
 
 def run_method(res: dict[str, Any] | None, rows: list[dict[str, Any]]) -> str:

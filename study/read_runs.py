@@ -1,6 +1,7 @@
 """Reading a sweep's runs: each run folder's results.json and metrics.jsonl as one dict, and the numbers' formats.
 
-Holds: the experiments and the variants' order, reading metrics.jsonl, pooling a run's Monte Carlo measurements
+Holds: the experiments and the variants' order, a run's name (its variant, GRPO's group size where it is an axis, a
+pretrained critic's rollouts and price), reading metrics.jsonl, pooling a run's Monte Carlo measurements
 (measure.pool_baseline_errors) into its baseline error, the interval over seeds of an nmse, a run's curves, the
 run folders of a sweep and its plan, and how the report prints a number (percent, tokens, seconds, intervals).
 Does not hold: the tables and report.md (report.py), the plots (plots.py), the duration estimate (estimate.py).
@@ -11,14 +12,20 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import intervals
 import measure
-from plumbing import errors, rundir
+from plumbing import cmdline, errors, rundir
 
-EXPERIMENTS = ("critic", "h2h", "labels")
+EXPERIMENTS = ("critic", "h2h", "labels", "crossover")
+# GRPO's G in the study (grpo.py's default, read from its source: no study tool imports a trainer but the preflight)
+STUDY_GROUP = cmdline.trainer_default("grpo.py", "group_size")
+# the experiments whose GRPO runs differ in G by design: a run there not at the study's G carries its G in its name
+# (grpo-group-g4), the one at the study's G keeps the name every comparison reads (grpo-group: "vs GRPO")
+GROUP_AXIS = ("crossover",)
 VARIANT_ORDER = [
     "ppo-none",
     "ppo-small",
@@ -269,6 +276,9 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
     try:
         method, seed = str(res["method"]), int(res["seed"])
         variant = run_variant(res)
+        group = (res.get("args") or {}).get("group_size")
+        if method == "grpo" and experiment in GROUP_AXIS and group != STUDY_GROUP:
+            variant += f"-g{group}"
         test = res["test"]
         acc, n, (lo, hi) = float(test["accuracy"]), int(test["n"]), test["ci95"]
         gen = int(res["generated_tokens"])
@@ -318,6 +328,8 @@ def load_run(run_dir: Path, experiment: str) -> dict[str, Any]:
         "mc": mc_summary(rows, method),
         "curve": curve(rows),
         "data": res.get("data") if isinstance(res.get("data"), dict) else None,  # gsm8k.data_record
+        # ppo.py --critic-init's pretraining (critics.load_critic_init): its rollouts, tokens, whether paid
+        "critic_init": res.get("critic_init") if isinstance(res.get("critic_init"), dict) else None,
     }
 
 
@@ -344,6 +356,9 @@ def run_variant(res: dict[str, Any]) -> str:
         variant += "-loo"
     if res.get("method") == "ppo" and finite(args.get("lam")) and float(args["lam"]) != 1.0:
         variant += f"-lam{float(args['lam']):g}"
+    init = res.get("critic_init")
+    if res.get("method") == "ppo" and isinstance(init, dict):  # a pretrained critic: its rollouts and its price
+        variant += f"-n{init.get('rollouts')}-{'paid' if init.get('paid') else 'amortised'}"
     return variant
 
 
@@ -372,9 +387,13 @@ def read_plan(out: Path) -> list[tuple[str, str, Path]]:
 
 
 def sort_key(experiment: str, run: str) -> tuple:
+    """The experiments' order, then the variants': a run named after one of VARIANT_ORDER and more (ppo-small-n4096-
+    paid, grpo-group-g16) beside it, numbers in the rest by value (g2, g4, g16)."""
     e = EXPERIMENTS.index(experiment) if experiment in EXPERIMENTS else len(EXPERIMENTS)
-    v = VARIANT_ORDER.index(run) if run in VARIANT_ORDER else len(VARIANT_ORDER)
-    return (e, experiment, v, run)
+    base = max((v for v in VARIANT_ORDER if run == v or run.startswith(v + "-")), key=len, default="")
+    v = VARIANT_ORDER.index(base) if base else len(VARIANT_ORDER)
+    rest = [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", run[len(base) :])]
+    return (e, experiment, v, rest)
 
 
 # ======================================================================================================

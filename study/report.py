@@ -10,7 +10,8 @@ is in requirements.txt); without it the tables are still written.
 
 Holds: the column definitions, the summary per method and variant (intervals over seeds), the paired comparison
 with GRPO, the tables, report.md with the preflight's numbers and warnings, and the command line.
-Does not hold: reading runs (read_runs.py), drawing (plots.py), estimating durations and memory (estimate.py).
+Does not hold: reading runs (read_runs.py), drawing (plots.py), estimating durations and memory (estimate.py), the
+crossover's section and figure (crossover.py: this calls it where the sweep's folder has its parts).
 It only reads: no run folder is moved or renamed here (the sweep's scheduler, sweep_runner.py, owns the runs).
 """
 
@@ -30,7 +31,7 @@ import tyro
 import intervals
 import measure
 from plumbing import cmdline, errors, runtime
-from study import preflight
+from study import crossover, preflight
 from study.estimate import estimate_markdown, model_estimate_markdown
 from study.plots import plot_crossover, plot_curves, plot_errors, plot_run
 from study.read_runs import (
@@ -571,6 +572,7 @@ def write_report(out: Path, report_dir: Path) -> Path:
     hardware = "one kind of hardware, " + devices[0] if len(devices) == 1 else f"{len(devices)} kinds of hardware"
     lines += ["", "## Compute", "", f"Each run's budget, three ways (mean over seeds; wall time on {hardware}):", ""]
     lines += [compute_table(summary), ""]
+    lines += crossover.section(out, summary, runs, plt, report_dir, toy_reason(runs, out))  # [] without its parts
     problems = damaged + missing_runs(out, runs)
     if problems:
         lines += ["", "## Failed, missing or damaged runs", ""] + [f"- {p}" for p in problems]

@@ -1,12 +1,13 @@
 """The study's sweep: every run of the plan in sweep.sh, one per plan line and seed, then the report.
 
-Run ./sweep.sh (it passes the plan on stdin), not this file. Holds: the options (Args, parsed by tyro) and --help's
-text, the plan's reading (one run per plan line and seed), each run's state (finished, resume or new; a damaged
-results.json or a run that never saved is set aside, never deleted), the matched budget read from a reference run, the
-launchers (one after another, a pool over GPUs or CPU jobs, torchrun, SLURM arrays), the logs and status files, the
-lock on the sweep's folder, the summary, and the call of report.py.
-Does not hold: the experiments or their commands (sweep.sh), any training (the trainers, started as processes),
-the report (report.py). It imports plumbing/rundir.py and plumbing/cmdline.py (no torch) to read results.json, find
+Run ./sweep.sh (it passes the plan on stdin), not this file. Holds: the options (Args, parsed by tyro), the plan's
+reading (one run per plan line and seed; a study module's line, a step such as the critics' learning curve, once for
+every seed), each run's state (finished, resume or new; a damaged results.json or a run that never saved is set aside,
+never deleted), the matched budget read from a reference run (each experiment's own), the launchers (one after
+another, a pool over GPUs or CPU jobs, torchrun, SLURM arrays), the logs and status files, the lock on the sweep's
+folder, the summary, and the call of report.py.
+Does not hold: the experiments or their commands (sweep.sh), --help's text (sweep_help.py), any training (the
+trainers, started as processes), the report (report.py). It imports plumbing/rundir.py and plumbing/cmdline.py (no torch) to read results.json, find
 checkpoints and refuse links as the trainers do, and to parse its flags as every script does.
 """
 
@@ -28,6 +29,7 @@ import tyro
 
 from plumbing import cmdline, rundir
 from plumbing.errors import UserError
+from study.sweep_help import help_text
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("PYTHON") or sys.executable
@@ -121,6 +123,14 @@ class Run:
     def needs_budget(self) -> bool:
         return any(PLACEHOLDER.search(f) for f in self.flags)
 
+    @property
+    def step(self) -> bool:  # a study module's line (study.pretrain_critic): once for every seed, in OUT/<exp>/<name>
+        return self.script.startswith("study.")
+
+    @property
+    def result(self) -> Path:  # the file that says it finished
+        return self.dir / ("curve.json" if self.step else "results.json")
+
 
 PLACEHOLDER = re.compile(r"\{(?:(\d+)\*)?(tokens|steps)\}")
 
@@ -141,73 +151,6 @@ def read_plan(text: str) -> tuple[list[tuple[str, str, str, list[str]]], dict[st
     return lines, smoke
 
 
-def describe(text: str, experiments: list[str]) -> dict[str, str]:
-    """Each experiment's line in --help, from the plan's own comments: a comment `# NAME: what it is...` (or
-    `# NAME (a note): ...`) and the comment lines under it, up to the first full stop."""
-    rows = text.splitlines()
-    out = {}
-    for i, row in enumerate(rows):
-        m = re.fullmatch(r"#\s*([\w-]+)(?:\s*\([^)]*\))?:\s*(.*)", row.strip())
-        if not m or m.group(1) not in experiments or m.group(1) in out:
-            continue
-        words = [m.group(2)]
-        for more in rows[i + 1 :]:
-            if not more.startswith("#"):
-                break
-            words.append(more.lstrip("# "))
-        out[m.group(1)] = re.split(r"\.(?:\s|$)", " ".join(words))[0]
-    return out
-
-
-def help_text(plan: str, lines: list[tuple[str, str, str, list[str]]], default: list[str]) -> str:
-    """--help's description: what the sweep does and in what order, the experiments, examples."""
-    experiments = list(dict.fromkeys(e for e, *_ in lines))
-    about = describe(plan, experiments)
-    width = max(len(e) for e in experiments) + 2
-    rows = []
-    for e in experiments:
-        n = sum(1 for ln in lines if ln[0] == e)
-        first = f"  {e:<{width}}{'*' if e in default else ' '} "
-        rows.append(cmdline.fill(f"{n} runs a seed{': ' + about[e] if e in about else ''}", first, " " * len(first)))
-    paragraphs = [
-        "The runs go to OUT/<experiment>/<name>-s<seed>, the report to OUT/report/ (report.md, summary.csv, runs.csv "
-        "and three plots). Each trainer's command is its plan line's, with the sweep's --run-dir, --seed, --model, "
-        "--scale and --no-progress; the flags after -- (./sweep.sh [OPTIONS] -- FLAGS) come last in every command, "
-        "so they win.",
-        "The preflight first (study/preflight.py, on this machine; reused from OUT/preflight.json when its command is "
-        "the same): it samples the reference GRPO line (--budget-from) with the sweep's settings and predicts the "
-        "half-width of the report's 3-seed interval of GRPO's nmse at the prompt. When that is wider than the "
-        f"smallest effect worth detecting ({SMALLEST_EFFECT:g}, preflight.py's --smallest-effect; --smoke asks for "
-        "none, only some signal), or cannot be predicted (no prompt with 0 < p < 1), the sweep stops with exit status "
-        "3 before any run folder exists, unless --force.",
-        "A finished run (results.json) is skipped, an interrupted one resumes from its checkpoint, a damaged "
-        "results.json is kept aside (results.json.damaged-TIME) and the run redone. A failed run is logged "
-        "(OUT/logs/<experiment>/<run>.log), the others go on, and the summary names it (exit status 1). A lock "
-        "(OUT/.lock) keeps a second sweep, or a trainer, off the folder. More in docs/sweep.md.",
-    ]
-    examples = [
-        ("./sweep.sh --dry-run", "every command, run nothing"),
-        ("./sweep.sh --smoke", "all of it on the CPU, a tiny random model, in minutes"),
-        ("./sweep.sh --organism", "the study on the model organism, on 2 CPU cores, under 2 hours"),
-        ("./sweep.sh --preflight", "only the preflight: has the model the signal the study needs?"),
-        ("./sweep.sh --experiments h2h --seeds 1,2", "a subset"),
-        ("./sweep.sh --gpus 8", "one run per GPU at a time, on this machine"),
-        ('./sweep.sh --launcher slurm --sbatch "-p gpu"', "one SLURM array task per run"),
-        ("./sweep.sh -- --eval-size 256", "a flag for every trainer"),
-        ("./sweep.sh --report-only", "the report again, from the runs already there"),
-    ]
-    wide = max(len(c) for c, _ in examples) + 4
-    examples_text = "\n".join(cmdline.fill(what, f"  {c:<{wide - 2}}", " " * wide) for c, what in examples)
-    return "\n\n".join(
-        [
-            cmdline.fill(__doc__.strip().splitlines()[0]),
-            *map(cmdline.fill, paragraphs),
-            "experiments (* runs unless --experiments says otherwise):\n" + "\n".join(rows),
-            "examples:\n" + examples_text,
-        ]
-    )
-
-
 def positive(flag: str, value: int | None) -> int:
     if value is None or value < 1:
         raise UserError(f"{flag} {value} is not a positive number")
@@ -226,7 +169,7 @@ def parse_args(argv: list[str], experiments: list[str], plan: str = "") -> Optio
         i += 1
     default_exp = cmdline.flag_value(flags, "default_experiments", "")
     lines = read_plan(plan)[0] if plan else [(e, "", "", []) for e in experiments]
-    description = help_text(plan, lines, default_exp.split(","))
+    description = help_text(plan, lines, default_exp.split(","), __doc__.strip().splitlines()[0], SMALLEST_EFFECT)
     a = cmdline.parse(
         Args,
         Args(experiments=default_exp),
@@ -289,7 +232,9 @@ def make_runs(o: Options, lines: list[tuple[str, str, str, list[str]]]) -> list[
             for seed in o.seeds:
                 for e, name, script, flags in lines:
                     run = Run(e, name, seed, script, flags, o.out / e / f"{name}-s{seed}")
-                    if e == exp and run.needs_budget == budget:
+                    if run.step:  # a study module's line runs once for every seed, in the first seed's turn
+                        run.dir = o.out / e / name
+                    if e == exp and run.needs_budget == budget and (not run.step or seed == o.seeds[0]):
                         runs.append(run)
     return runs
 
@@ -308,6 +253,9 @@ def states(runs: list[Run], dry_run: bool) -> list[str]:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = []
     for run in runs:
+        if run.step:  # a step resumes by itself (pretrain_critic.py keeps what it made, and redoes nothing done)
+            out.append("new")
+            continue
         res = run.dir / "results.json"
         if res.exists():
             try:
@@ -371,22 +319,30 @@ def fill(flags: list[str], budget: tuple[int, int] | None, ref: Path) -> list[st
 
 
 def command(o: Options, run: Run, smoke: dict[str, list[str]], budget: tuple[int, int] | None) -> list[str]:
-    """The run's command: the launcher, the script, the sweep's flags, the smoke sizes, the plan line, the extra."""
-    if o.launcher == "torchrun" or (o.launcher == "slurm" and o.gpus > 1):
-        prefix = ["torchrun", "--standalone", f"--nproc_per_node={o.gpus}"]
+    """The run's command: the launcher, the script, the sweep's flags, the smoke sizes, the plan line ({out} the
+    sweep's folder), the extra. A step (a study module) runs on this machine with its folder, the model and its own
+    smoke sizes, no trainer's flag (its own --seed: one for every seed)."""
+    model = ["--model", o.model] if o.model else []
+    torchrun = ["torchrun", "--standalone", f"--nproc_per_node={o.gpus}"]
+    if run.step:
+        cmd = [PYTHON, "-m", run.script, "--out", str(run.dir), *model, "--no-progress"]
     else:
-        prefix = [PYTHON]
-    cmd = [*prefix, run.script, "--run-dir", str(run.dir), "--seed", str(run.seed)]
-    cmd += [*(["--model", o.model] if o.model else []), "--scale", o.scale, "--no-progress"]
+        prefix = torchrun if o.launcher == "torchrun" or (o.launcher == "slurm" and o.gpus > 1) else [PYTHON]
+        cmd = [*prefix, run.script, "--run-dir", str(run.dir), "--seed", str(run.seed), *model, "--scale", o.scale]
+        cmd += ["--no-progress"]
     if o.smoke:
-        cmd += smoke.get("*", []) + smoke.get(run.script, [])
+        cmd += ([] if run.step else smoke.get("*", [])) + smoke.get(run.script, [])
         if "--pairs gold" not in " ".join(run.flags):
             cmd += ["--task", "toy"]
-    return cmd + fill(run.flags, budget, reference(o, run)) + o.extra
+    flags = [f.replace("{out}", str(o.out)) for f in fill(run.flags, budget, reference(o, run))]
+    return cmd + flags + ([] if run.step else o.extra)
 
 
 def reference(o: Options, run: Run) -> Path:
-    return o.out / f"{o.budget_from}-s{run.seed}"
+    """The run whose tokens and steps fill run's {tokens} and {steps}: --budget-from's of its experiment, else its
+    first (--budget-from h2h/grpo-group,crossover/grpo-group: each experiment's own GRPO line)."""
+    refs = o.budget_from.split(",")
+    return o.out / f"{next((r for r in refs if r.split('/')[0] == run.experiment), refs[0])}-s{run.seed}"
 
 
 # ======================================================================================================
@@ -403,7 +359,7 @@ def preflight_command(
 ) -> list[str]:
     """preflight.py with the reference GRPO line's command (--budget-from's line, else the plan's first grpo.py
     line), built by command() as the sweep would run it for the first seed: --smoke's sizes and the extra flags in."""
-    want = o.budget_from.split("/", 1)
+    want = o.budget_from.split(",")[0].split("/", 1)
     found = [ln for ln in lines if ln[2] == "grpo.py" and [ln[0], ln[1]] == want]
     found = found or [ln for ln in lines if ln[2] == "grpo.py"]
     if not found:
@@ -537,7 +493,7 @@ class Sweep:
     def finish(self, slot: str) -> None:
         i, proc, t0 = self.live.pop(slot)
         run, log, rc, secs = self.runs[i], self.log(i, "log"), proc.returncode, round(time.time() - t0)
-        if rc == 0 and (run.dir / "results.json").is_file():
+        if rc == 0 and run.result.is_file():
             self.record(i, f"ok 0 {secs}")
             print(f"done  {run.label} in {secs}s", flush=True)
         elif rc == 0:
@@ -579,7 +535,7 @@ class Sweep:
         """One line per unfinished run, then the count; (finished runs, whether a run failed)."""
         n_ok, failed, bad = 0, False, []
         for i, run in enumerate(self.runs):
-            if (run.dir / "results.json").is_file():
+            if run.result.is_file():
                 n_ok += 1
                 continue
             status = self.log(i, "status")
@@ -753,8 +709,9 @@ def main(argv: list[str]) -> int:
     )
     if o.dry_run:
         if o.launcher != "slurm" and not o.force:
-            print(f"# preflight first: {o.budget_from or 'the first grpo.py line'} for seed {o.seeds[0]} (exit 3 stops"
-                  " the sweep unless --force; the same options with --preflight --dry-run show its command)")  # fmt: skip
+            ref = o.budget_from.split(",")[0] or "the first grpo.py line"
+            print(f"# preflight first: {ref} for seed {o.seeds[0]} (exit 3 stops the sweep unless --force; the same"
+                  " options with --preflight --dry-run show its command)")  # fmt: skip
         for i, run in enumerate(runs):
             if s.state[i] == "finished":
                 print(f"# {run.label}: finished")
@@ -772,7 +729,7 @@ def main(argv: list[str]) -> int:
             submit_slurm(s)
         return 0
     plan_tsv = o.out / "plan.tsv"  # report.py names the planned runs that did not finish
-    plan_tsv.write_text("".join(f"{r.experiment}\t{r.name}\t{r.dir.relative_to(o.out)}\n" for r in runs))
+    plan_tsv.write_text("".join(f"{r.experiment}\t{r.name}\t{r.dir.relative_to(o.out)}\n" for r in runs if not r.step))
     if o.launcher == "slurm":
         submit_slurm(s)
         return 0

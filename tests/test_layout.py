@@ -31,9 +31,9 @@ LAYERS = [
     ["plumbing.generation"],
     ["common", "critics"],
     ["gsm8k"],
-    ["measure"],
+    ["measure", "study.sweep_help"],
     ["ppo", "grpo", "dpo", "organism", "study.read_runs", "study.sweep_runner", "study.pretrain_critic"],
-    ["study.preflight", "study.plots", "study.estimate"],
+    ["study.preflight", "study.plots", "study.estimate", "study.crossover"],
     ["study.report"],
     ["report"],
 ]
@@ -46,6 +46,7 @@ NO_TORCH = [
     "plumbing.cmdline",
     "intervals",
     "study.sweep_runner",
+    "study.sweep_help",
 ]
 ENTRY_POINTS = {"report": "study.report"}  # a command at the root -> the study module whose main it runs
 MAX_ROOT = 10  # Python files at the root: the trainers, the modules they import, the organism's recipe, the commands

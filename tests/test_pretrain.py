@@ -270,7 +270,9 @@ def test_the_record_says_what_the_critic_was_fitted_on(pretrained):
 def test_the_curve_holds_each_critic_and_its_g_star(pretrained):
     curve = json.loads((pretrained / "curve.json").read_text())
     rows = {(r["capacity"], r["rollouts"]): r for r in curve["rows"]}
-    assert set(rows) == {("constant", 16), ("constant", 32), ("small", 16), ("small", 32)}
+    assert set(rows) == {("constant", 16), ("constant", 32), ("small", 16), ("small", 32), ("linear", None)}
+    linear = rows.pop(("linear", None))  # the ceiling: no pretraining rollouts, fitted on held-out Monte Carlo
+    assert linear["folds"] == 8 and linear["prompt"]["states"] == 8 and set(linear["penalties"]) <= {"prompt", "inside"}
     assert curve["heldout"]["prompts"] == 8 and curve["grpo_prompt_nmse"]["8"] == pytest.approx(1 / 7)
     for r in rows.values():
         p = r["prompt"]
@@ -279,7 +281,50 @@ def test_the_curve_holds_each_critic_and_its_g_star(pretrained):
             assert p["g_star"][0] == pytest.approx(1 + 1 / p["nmse"])
     assert rows["constant", 32]["value_explained_variance"] == pytest.approx(0, abs=1e-6)  # a constant explains none
     lines = (pretrained / "curve.csv").read_text().splitlines()
-    assert len(lines) == 1 + len(rows) and lines[0].startswith("capacity,rollouts,tokens")
+    assert len(lines) == 2 + len(rows) and lines[0].startswith("capacity,rollouts,tokens")  # and the linear row
+
+
+def test_the_ridge_reads_a_linear_target_and_its_penalty_grows_with_the_noise():
+    from study import pretrain_critic as pc
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 6, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10, 0.1, 1, 1, 1])  # scales differ
+    beta = torch.tensor([0.5, -0.02, 3.0, 0.0, 0.1, 0.0], dtype=torch.float64)
+    y = 0.3 + x @ beta
+    clean = pc.choose_penalty(x, y)
+    assert clean == min(pc.PENALTIES)
+    assert torch.allclose(pc.ridge(x, y, clean)(x), y, atol=0.05)  # a linear target read back
+    noise = torch.randn(200, generator=g, dtype=torch.float64)
+    assert pc.choose_penalty(x, noise) > 100 * clean  # nothing to read: the fit shrinks towards the mean
+
+
+def test_the_linear_read_out_is_cross_fitted_a_prompts_values_from_the_fold_that_never_saw_it(monkeypatch):
+    """Changing one prompt's Monte Carlo targets moves the values of the other fold's completions only: no completion's
+    read-out was fitted on its own prompt's targets (an honest ceiling, not an in-sample one)."""
+    from types import SimpleNamespace
+
+    from study import pretrain_critic as pc
+
+    g = torch.Generator().manual_seed(1)
+    n, length, hidden = 12, 5, 4
+    states = [torch.randn(length, hidden, generator=g) for _ in range(n)]
+    monkeypatch.setattr(pc.critics, "response_states", lambda *a, **k: states)
+    row = torch.arange(n).repeat_interleave(2)
+    t = torch.tensor([0, 3] * n)
+    mc = torch.stack([states[j][s] for j, s in zip(row.tolist(), t.tolist())]) @ torch.ones(hidden) / 10 + 0.5
+    held = {"prompts": [[1]] * n, "responses": [[2] * length] * n, "row": row, "t": t, "mc": mc.double()}
+    me = SimpleNamespace(
+        policy=None, tokenizer=SimpleNamespace(pad_token_id=0), args=SimpleNamespace(micro_batch_size=4)
+    )
+    before, penalties = pc.Work.linear_values(me, held)
+    assert set(penalties) == {"prompt", "inside"} and all(len(v) == pc.FOLDS for v in penalties.values())
+    changed = dict(held, mc=held["mc"].clone())
+    changed["mc"][row == 0] += 1.0  # prompt 0, fold 0
+    after, _ = pc.Work.linear_values(me, changed)
+    fold = torch.arange(n) % pc.FOLDS
+    assert torch.equal(after[fold == 0], before[fold == 0])  # fold 0's values come from the fit on the others
+    assert all(not torch.equal(after[fold == f], before[fold == f]) for f in range(1, pc.FOLDS))
+    assert (before[:, 1:] != 0).all() and (before != 0).all()  # every state read, the prompt's and inside
 
 
 # ------------------------------------------------------------------------------------------------------
