@@ -50,11 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plumbing import threads
-
-if __name__ == "__main__":  # run, not imported: OpenMP's wait, before torch loads libgomp (plumbing/threads.py)
-    threads.wait_passively()
-
 import torch
 from tqdm.auto import tqdm
 
@@ -287,16 +282,15 @@ def main() -> None:
     args = cmdline.parse_args(Args)
     validate(args)
     models.quiet_transformers()
-    # one thread unless OMP_NUM_THREADS says otherwise: the weights are then the same build after build on one machine
-    # (two threads sum in another order, and the stop falls elsewhere: 1,350 steps instead of 810 for seed 0), and a
-    # second thread hardly pays at this size (3.4 steps/s on 2 idle cores against ~4 on one; 2026-12-04). Not the same
-    # everywhere: another machine's kernels or libraries may round otherwise (seed 0 stopped at 560 steps on
-    # 2026-12-04's machine, 40.8% greedy, and at 530 on 2026-12-05's, 45.4%), so a run records its organism's sha256
-    cpu_threads = threads.use_threads(one_thread="the same build, build after build")
+    # one thread, whatever the machine: the weights are then the same build after build on one machine (two threads
+    # sum in another order, and the stop falls elsewhere: 1,350 steps instead of 810 for seed 0), and a second thread
+    # hardly pays at this size (3.4 steps/s on 2 idle cores against ~4 on one; 2026-12-04). Not the same everywhere:
+    # another machine's kernels or libraries may round otherwise (seed 0 stopped at 560 steps on 2026-12-04's
+    # machine, 40.8% greedy, and at 530 on 2026-12-05's, 45.4%), so a run records its organism's sha256
+    torch.set_num_threads(1)
     out, t0 = Path(args.out), time.time()
     settings = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("out", "progress")}
     print(f"organism: {', '.join(f'{k}={v}' for k, v in settings.items())}", flush=True)
-    print(f"threads: {cpu_threads}", flush=True)
 
     # 1. the task, 2. the tokenizer
     train, test, stream = make_splits(args)

@@ -87,27 +87,25 @@ def wait_policy(env: Mapping[str, str]) -> str:
     return "spin ~3 ms, then sleep (libgomp's default)"
 
 
-def choose(params: int, default: int, env: Mapping[str, str], one_thread: str = "") -> Threads:
+def choose(params: int, default: int, env: Mapping[str, str]) -> Threads:
     """The thread count for a model of `params` parameters where torch's own count is `default` (every core), under
     env: OMP_NUM_THREADS when it is given (the user's, or torchrun's one a process), else one thread below
-    ONE_THREAD_BELOW parameters or where one_thread gives a reason (organism.py's), else `default`. A pure function."""
+    ONE_THREAD_BELOW parameters, else `default`. A pure function."""
     wait = wait_policy(env)
     given = given_threads(env)
     if given is not None:
         return Threads(given, "OMP_NUM_THREADS", wait)
-    if one_thread:
-        return Threads(1, one_thread, wait)
     if params < ONE_THREAD_BELOW:
         return Threads(1, f"{params:,} parameters: a second thread hardly pays", wait)
     return Threads(default, f"every core: {params:,} parameters", wait)
 
 
-def use_threads(*modules: Any, one_thread: str = "") -> Threads:
+def use_threads(*modules: Any) -> Threads:
     """Set torch's thread count for the model in modules (their parameters counted, None skipped), by choose on this
-    process's environment; every rank calls it. one_thread: choose's. Returns what the banner prints."""
+    process's environment; every rank calls it. Returns what the banner prints."""
     import torch
 
     params = sum(p.numel() for m in modules if m is not None for p in m.parameters())
-    chosen = choose(params, torch.get_num_threads(), os.environ, one_thread)
+    chosen = choose(params, torch.get_num_threads(), os.environ)
     torch.set_num_threads(chosen.count)
     return chosen

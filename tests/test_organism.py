@@ -682,7 +682,6 @@ def test_organism_py_remakes_the_shipped_build(tmp_path):
     proc = run_here("organism.py", ["--out", str(out), "--no-progress", "--target-accuracy", "0", "--eval-every", "50",
                                     "--samples", "2", "--report-problems", "8"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "\nthreads: 1 (OMP_NUM_THREADS); OpenMP wait: " in proc.stdout  # the tests' one thread, said
     again, shipped = json.loads((out / "organism.json").read_text()), shipped_record()
     assert again["script_sha256"] == shipped["script_sha256"]
     (step, loss, _), (step0, loss0, _) = again["trajectory"][0], shipped["trajectory"][0]
