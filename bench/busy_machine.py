@@ -24,6 +24,7 @@ and counts as --timeout seconds (a lower bound, marked >=). A benchmark, not a t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -69,22 +70,27 @@ def environments(threads: int) -> dict[str, dict[str, str]]:
 
 def run_once(job: list[str], env: dict[str, str], busy: int, timeout: float, run_dir: Path) -> tuple[float, float, bool, str]:  # fmt: skip
     """The job in a fresh process (run_dir appended as --run-dir when the job is a trainer), beside `busy` spinning
-    processes, killed after. -> (wall seconds, CPU seconds, stopped at the timeout, its last line)"""
+    processes, killed after. The job runs in a process group of its own, killed whole at the timeout (or when this
+    script is stopped): a trainer's children go with it (organism.py, run once where the cached organism is missing).
+    -> (wall seconds, CPU seconds of the job and its children, stopped at the timeout, its last line)"""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    proc = None
     try:
         command = [sys.executable, *job]
         if job and job[0].endswith(".py"):
             command += ["--run-dir", str(run_dir), "--no-progress"]
         with tempfile.TemporaryFile("w+") as out:
             t0 = time.time()
-            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
             stopped = False
             while True:
                 pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
                 if pid:
                     break
                 if time.time() - t0 > timeout:
-                    proc.send_signal(signal.SIGKILL)
+                    os.killpg(proc.pid, signal.SIGKILL)
                     _, status, usage = os.wait4(proc.pid, 0)
                     stopped = True
                     break
@@ -97,6 +103,9 @@ def run_once(job: list[str], env: dict[str, str], busy: int, timeout: float, run
             raise SystemExit(f"error: the job exited {proc.returncode}: {' '.join(command)}\n" + "\n".join(lines[-20:]))
         return wall, usage.ru_utime + usage.ru_stime, stopped, (lines[-1] if lines else "")
     finally:
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # what is left of its group: nothing, once it exited
         for hog in hogs:
             hog.kill()
             hog.wait()
@@ -139,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a run is stopped (default 900)")
     parser.add_argument("job", nargs="*", help="after --: the job's script and flags, instead of the short job")
     a = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `kill`: the busy processes and the job go too
     if a.repeats < 1 or a.busy < 1 or a.timeout <= 0:
         parser.error("--repeats and --busy must be at least 1, --timeout positive")
     job = a.job or (FULL_JOB if a.full else SHORT_JOB)
