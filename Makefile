@@ -13,6 +13,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 ARGS ?=
+# the environment's commands first on PATH, as `. .venv/bin/activate` does: the tests start torchrun and python
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 
 .PHONY: help run test
 help:

@@ -67,6 +67,14 @@ def test_once_installed_only_the_command_runs(house):
     assert "pip install -r requirements.txt" in "\n".join(dry_run(house, "test"))
 
 
+def test_the_environments_commands_come_first_on_path(house):
+    """The suite starts torchrun and python by name: make puts .venv/bin first on PATH, as activating it would."""
+    (house / "Makefile").write_text((house / "Makefile").read_text() + "\nshow-path:\n\t@echo $$PATH\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    out = subprocess.run(["make", "-s", "show-path"], cwd=house, capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.split(":")[0] == str(house / ".venv" / "bin")
+
+
 def test_a_python_older_than_311_is_one_error_line_before_anything_is_made(house):
     old = house / "python-old"
     old.write_text("#!/bin/sh\nexit 1\n")  # what `python -c 'sys.exit(sys.version_info < (3, 11))'` does on 3.10
