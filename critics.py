@@ -40,7 +40,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -267,15 +266,7 @@ def save_critic_file(path: Path, critic: nn.Module, record: dict[str, Any]) -> d
     }
     data = save(tensors, metadata={"record": json.dumps(record)})
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with rundir.named_path(path), open(tmp, "wb", opener=rundir.open_nofollow) as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    rundir.write_bytes_atomic(path, data)
     checkpoint.fsync_dir(path.parent)
     return record
 

@@ -197,13 +197,22 @@ def after_stop(run_dir: Path | None) -> str:
 # ======================================================================================================
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """data in path whole or not at all: a temporary beside it, fsynced, then renamed over it (nothing left of the
+    temporary when a write fails). The one atomic writer: JSON, the curve's CSV and the critic files go through it."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with named_path(path), open(tmp, "w", opener=open_nofollow) as f:  # os.replace replaces a link, not its target
-        json.dump(obj, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with named_path(path), open(tmp, "wb", opener=open_nofollow) as f:  # os.replace replaces a link, not its target
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_bytes_atomic(path, json.dumps(obj, indent=2, default=str).encode())
 
 
 @contextlib.contextmanager

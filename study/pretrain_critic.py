@@ -645,18 +645,6 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with rundir.named_path(path), open(tmp, "w", opener=rundir.open_nofollow) as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def show(value: Any, digits: int = 3) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
@@ -688,7 +676,7 @@ def main() -> None:
             held = work.heldout()
             curve = finite_or_none(work.curve(pool, held, records))
             rundir.write_json_atomic(work.out / "curve.json", curve)
-            write_text_atomic(work.out / "curve.csv", csv_text(curve["rows"]))
+            rundir.write_bytes_atomic(work.out / "curve.csv", csv_text(curve["rows"]).encode())
             h = curve["heldout"]
             print(f"held out: {h['prompts']} prompts, {h['states']} states, pass rate {h['pass_rate']:.3f}, "
                   f"informative {h['informative_share']:.2f}, E[p(1-p)] {h['mean_p_1_minus_p']:.3f}, "
