@@ -2,7 +2,7 @@
 
 A laptop or a shared node is never idle. This runs a job (by default a short version of the main job, `python ppo.py
 --critic small --total-steps 2 --test-size 100 --eval-size 0`; --full: the main job itself) in a fresh process,
-idle and beside --busy processes that spin (`python -c 'while True: pass'`, started and killed here), in two
+idle and beside --busy processes that spin (`python -c 'while True: pass'`, started and killed here), in three
 configurations:
 
   chosen  the environment without OMP_NUM_THREADS, OMP_WAIT_POLICY and GOMP_SPINCOUNT: the scripts' own choice
@@ -10,14 +10,14 @@ configurations:
   torch   torch's defaults, given explicitly (a user's setting wins over the scripts' choice): OMP_NUM_THREADS at
           torch's own count (read from a fresh torch) and GOMP_SPINCOUNT=300000, libgomp's spin when no policy is set
 
-Each repeat runs the four (idle, busy) x (chosen, torch) in turn, the configurations' order alternating from one
+Each repeat runs (idle, busy) x the configurations (--configs) in turn, the configurations' order alternating from one
 repeat to the next, so that a change in the machine's other work falls on both. It prints each run (wall seconds,
 the job's CPU seconds, the 1-minute load average as it started, its last line), then the medians and the ratios:
-beside the busy processes over idle, and torch's defaults over the chosen threads. A run past --timeout is stopped
+beside the busy processes over idle, and each other configuration over the chosen threads. A run past --timeout is stopped
 and counts as --timeout seconds (a lower bound, marked >=). A benchmark, not a test: the times are this machine's.
 
     python bench/busy_machine.py                          # the short job, 3 repeats, 1 busy process
-    python bench/busy_machine.py --full --repeats 1       # the main job itself (2 min idle on 2 cores; 4 runs)
+    python bench/busy_machine.py --full --repeats 1       # the main job itself (2-4 min a run on 2 cores; 6 runs)
     python bench/busy_machine.py --busy 2 -- grpo.py --model smollm2 --total-steps 1 --test-size 8 --eval-size 0
 """
 
@@ -42,6 +42,7 @@ FULL_JOB = ["ppo.py", "--critic", "small"]
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 LIBGOMP_SPIN = "300000"  # libgomp's GOMP_SPINCOUNT when OMP_WAIT_POLICY is unset (OMP_DISPLAY_ENV=VERBOSE shows it)
 CONDITIONS = ("idle", "busy")
+CONFIGS = ("chosen", "torch", "passive")
 
 
 @dataclass
@@ -63,9 +64,14 @@ def torch_threads() -> int:
 
 
 def environments(threads: int) -> dict[str, dict[str, str]]:
-    """The two configurations' environments: the scripts' choice, and torch's defaults given explicitly."""
+    """The configurations' environments: the scripts' choice, torch's defaults given explicitly, and torch's count
+    with a passive wait."""
     base = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
-    return {"chosen": base, "torch": {**base, "OMP_NUM_THREADS": str(threads), "GOMP_SPINCOUNT": LIBGOMP_SPIN}}
+    return {
+        "chosen": base,
+        "torch": {**base, "OMP_NUM_THREADS": str(threads), "GOMP_SPINCOUNT": LIBGOMP_SPIN},
+        "passive": {**base, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"},
+    }
 
 
 def run_once(job: list[str], env: dict[str, str], busy: int, timeout: float, run_dir: Path) -> tuple[float, float, bool, str]:  # fmt: skip
@@ -118,9 +124,9 @@ def median(runs: list[Run], condition: str, config: str) -> tuple[float, bool]:
     return statistics.median(r.wall for r in cell), any(r.stopped for r in cell)
 
 
-def summary(runs: list[Run], busy: int) -> str:
-    """The medians, each configuration's busy/idle ratio, and torch's defaults over the chosen threads."""
-    cells = {(c, k): median(runs, c, k) for c in CONDITIONS for k in ("chosen", "torch")}
+def summary(runs: list[Run], busy: int, configs: tuple[str, ...]) -> str:
+    """The medians, each configuration's busy/idle ratio, and each other configuration over the chosen threads."""
+    cells = {(c, k): median(runs, c, k) for c in CONDITIONS for k in configs}
 
     def sec(cell: tuple[float, bool]) -> str:
         return f"{'>=' if cell[1] else ''}{cell[0]:.0f} s"
@@ -130,13 +136,15 @@ def summary(runs: list[Run], busy: int) -> str:
 
     beside = f"beside {busy} busy"
     lines = [f"{'median wall time':<18}{'idle':>10}{beside:>16}{'busy/idle':>11}"]
-    for config in ("chosen", "torch"):
+    for config in configs:
         idle, busy_ = cells[("idle", config)], cells[("busy", config)]
         lines.append(f"{config:<18}{sec(idle):>10}{sec(busy_):>16}{ratio(busy_, idle):>11}")
-    lines.append(
-        f"{'torch / chosen':<18}{ratio(cells[('idle', 'torch')], cells[('idle', 'chosen')]):>10}"
-        f"{ratio(cells[('busy', 'torch')], cells[('busy', 'chosen')]):>16}"
-    )
+    for config in configs:
+        if config != "chosen" and "chosen" in configs:
+            lines.append(
+                f"{config + ' / chosen':<18}{ratio(cells[('idle', config)], cells[('idle', 'chosen')]):>10}"
+                f"{ratio(cells[('busy', config)], cells[('busy', 'chosen')]):>16}"
+            )
     return "\n".join(lines)
 
 
@@ -146,11 +154,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each (condition, configuration)")
     parser.add_argument("--busy", type=int, default=1, help="spinning processes beside the job (default 1)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before a run is stopped (default 900)")
+    parser.add_argument(
+        "--configs", default="chosen,torch,passive", help="comma-separated, of chosen, torch, passive (default all)"
+    )
     parser.add_argument("job", nargs="*", help="after --: the job's script and flags, instead of the short job")
     a = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a `kill`: the busy processes and the job go too
     if a.repeats < 1 or a.busy < 1 or a.timeout <= 0:
         parser.error("--repeats and --busy must be at least 1, --timeout positive")
+    configs = tuple(c.strip() for c in a.configs.split(",") if c.strip())
+    if not configs or set(configs) - set(CONFIGS) or len(set(configs)) != len(configs):
+        parser.error(f"--configs {a.configs}: give each of {', '.join(CONFIGS)} at most once")
     job = a.job or (FULL_JOB if a.full else SHORT_JOB)
     threads = torch_threads()
     envs = environments(threads)
@@ -159,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="busy-machine-") as tmp:
         for rep in range(a.repeats):
-            order = ("chosen", "torch") if rep % 2 == 0 else ("torch", "chosen")
+            order = configs if rep % 2 == 0 else configs[::-1]
             for condition in CONDITIONS:
                 for config in order:
                     load = os.getloadavg()[0]
@@ -170,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
                     said = "stopped at --timeout" if stopped else last[:90]
                     print(f"repeat {rep + 1} {condition:<5} {config:<7} {'>=' if stopped else ''}{wall:6.1f} s wall, "
                           f"{cpu:6.1f} s CPU, load {load:.2f} at start: {said}", flush=True)  # fmt: skip
-    print(summary(runs, a.busy), flush=True)
+    print(summary(runs, a.busy, configs), flush=True)
 
 
 if __name__ == "__main__":

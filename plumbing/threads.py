@@ -25,11 +25,13 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-# Below this many parameters a run computes on one thread: a second hardly pays for so little work a region (the
-# organism, 0.6M parameters, trained as fast on one thread as on two on 2 idle cores, organism.py), and beside other
-# work it costs many times over. SmolLM2-135M and larger keep torch's count (every core), where a second thread
-# pays. The line between is not measured finely: any value between the tiny test model (3.2M, nearly all of it the
-# embedding) and 135M gives the same choices for the models this project names.
+# Below this many parameters a run computes on one thread. On 2 idle cores a second thread makes the organism's main
+# job 1.7x faster (127 s against 215 s), and beside one busy process more than 3x slower (>= 600 s against 199 s);
+# one thread's time does not depend on the machine's other work, nor does its summation order (docs/throughput.md,
+# "A busy machine": every configuration measured). SmolLM2-135M and larger keep torch's count (every core), where a
+# region holds enough work that the wait is a small part of it. The line between is not measured finely: any value
+# between the tiny test model (3.2M, nearly all of it the embedding) and 135M gives the same choices for the models
+# this project names.
 ONE_THREAD_BELOW = 20_000_000
 
 WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # how libgomp's idle threads wait: either set by the user wins

@@ -400,28 +400,30 @@ for pid in set(filter(str.isdigit, os.listdir("/proc"))) - {str(os.getpid())}:
         hogs += b"while True: pass" in open(f"/proc/{pid}/cmdline", "rb").read() and parent(pid) == os.getppid()
     except OSError:
         pass
-print(os.environ.get("OMP_NUM_THREADS"), os.environ.get("GOMP_SPINCOUNT"), hogs)
+print(*(os.environ.get(v) for v in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")), hogs)
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to see the busy processes")
 def test_busy_machine_runs_each_configuration_idle_and_beside_its_busy_processes():
     """bench/busy_machine.py on a job that reports what it ran beside: the chosen configuration with no thread
-    variable, torch's with its count and libgomp's default spin; no busy process idle (those of the repeat before
-    were killed), --busy of them beside the busy runs; then the table of medians and ratios. Nothing timed."""
+    variable, torch's with its count and libgomp's default spin, passive with its count and a passive wait; no busy
+    process idle (those of the repeat before were killed), --busy of them beside the busy runs; then the table of
+    medians and ratios. Nothing timed."""
     proc = subprocess.run(
         [sys.executable, "bench/busy_machine.py", "--repeats", "2", "--busy", "2", "--", "-c", _SEES_HOGS],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=trainer_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = [line for line in proc.stdout.splitlines() if line.startswith("repeat ")]
-    assert len(runs) == 8, proc.stdout
+    assert len(runs) == 12, proc.stdout
     for line in runs:
         condition, config, said = line.split()[2], line.split()[3], line.rsplit(": ", 1)[1].split()
-        assert said[2] == ("2" if condition == "busy" else "0"), line
+        assert said[3] == ("2" if condition == "busy" else "0"), line
         if config == "chosen":
-            assert said[:2] == ["None", "None"], line
-        else:
-            assert said[0].isdigit() and int(said[0]) >= 1 and said[1] == "300000", line  # a fresh torch's count
+            assert said[:3] == ["None", "None", "None"], line
+        else:  # a fresh torch's count, and how its idle threads wait
+            assert said[0].isdigit() and int(said[0]) >= 1, line
+            assert said[1:3] == (["300000", "None"] if config == "torch" else ["None", "PASSIVE"]), line
     table = proc.stdout.split("median wall time", 1)[1].splitlines()
-    assert [row.split()[0] for row in table[1:]] == ["chosen", "torch", "torch"], table
+    assert [row.split()[0] for row in table[1:]] == ["chosen", "torch", "passive", "torch", "passive"], table
