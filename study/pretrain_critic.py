@@ -16,10 +16,12 @@ curve.csv hold it.
 
 Everything lands in --out and is kept: the same command run again (after a stop signal, a crash, or with more
 --rollouts or --critics) reuses every chunk and every fitted critic of the same settings and does only what is
-missing; a folder of other settings is refused.
+missing; a folder of other settings is refused. --pool-from links another folder's rollouts and held-out Monte Carlo
+in (the same sampling settings, checked), so that a curve of the fit's own settings costs only its fits.
 
     python -m study.pretrain_critic --critics small --rollouts 4096 --out runs/critic-init        # one critic
     python -m study.pretrain_critic --critics small medium large full --rollouts 256 1024 4096 16384 --measure
+    python -m study.pretrain_critic --rollouts 4096 --lr 3e-3 --epochs 16 --measure --pool-from OUT --out OUT2
 
 Does not hold: the fit and the critic file (critics.py), the measurement's arithmetic (measure.py), intervals
 (intervals.py), the trainer that uses the critics (ppo.py). Imports the method's modules, never a trainer.
@@ -33,6 +35,7 @@ import io
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -97,6 +100,10 @@ class Args:
     """rollouts per forward (the policy's states for a head, the full critic's trunk)"""
     measure: bool = False
     """measure every critic on the held-out prompts against Monte Carlo: curve.json, curve.csv"""
+    pool_from: str | None = None
+    """another --out of this tool whose rollouts and held-out Monte Carlo (same sampling settings: checked) this run
+    links in rather than makes again, so that only the fits are made: a curve of the fit's own settings (--lr,
+    --epochs, --batch-size) on the same rollouts and targets"""
     mc_prompts: int = 512
     """held-out prompts measured (at most --holdout), one completion each"""
     mc_samples: int = 16
@@ -139,6 +146,12 @@ def parse(flags: list[str] | None = None) -> Args:
         )
     if args.measure and args.mc_prompts > args.holdout:
         raise errors.UserError(f"--mc-prompts {args.mc_prompts} exceeds the --holdout {args.holdout} prompts held out")
+    if args.pool_from is not None:
+        source = Path(args.pool_from)
+        if not source.is_dir():
+            raise errors.UserError(f"--pool-from {source}: no such folder")
+        if source.resolve() == Path(args.out).resolve():
+            raise errors.UserError(f"--pool-from {source} is --out itself: name the folder whose pool to reuse")
     args.rollouts = tuple(sorted(set(args.rollouts)))
     args.critics = tuple(dict.fromkeys(args.critics))
     return args
@@ -154,18 +167,10 @@ def lr_of(args: Args, capacity: str) -> float:
 
 
 def save_chunk(path: Path, obj: dict[str, Any]) -> None:
-    """torch.save of plain tensors and numbers into a temporary file beside path, fsync'ed, renamed into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        with rundir.named_path(path), open(tmp, "wb", opener=rundir.open_nofollow) as f:
-            f.write(buf.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """torch.save of plain tensors and numbers, written whole or not at all (rundir.write_bytes_atomic)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    rundir.write_bytes_atomic(path, buf.getvalue())
 
 
 def load_chunk(path: Path) -> dict[str, Any]:
@@ -289,6 +294,43 @@ class Work:
         scores = gsm8k.score(a.task, texts, ids, [self.splits["train"][i].gold for i in idx])
         return prompts, ids, scores
 
+    def heldout_settings(self) -> dict[str, Any]:
+        a = self.args
+        return {**self.settings, "mc_samples": a.mc_samples, "mc_states": a.mc_states, "mc_chunk": a.mc_chunk}
+
+    def link_pool(self, source: Path) -> None:
+        """--pool-from: source's rollouts/ and heldout/ linked into --out (a hard link each, a copy where the file
+        system has none; a file already here is kept), after checking that they were made with this run's sampling
+        settings (another's are refused in one line, before anything is linked). Only the fits are then made here."""
+        parts = {"rollouts": self.settings, "heldout": self.heldout_settings()}
+        for sub, settings in parts.items():
+            path = source / sub / "settings.json"
+            if not path.is_file():
+                continue  # none of it made there: made here
+            try:
+                saved = json.loads(path.read_text())
+            except ValueError as e:
+                raise errors.UserError(f"--pool-from: {path} is damaged ({e})") from None
+            if saved != settings:
+                keys = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+                raise errors.UserError(
+                    f"--pool-from {source}: its {sub} were made with other settings ({', '.join(keys)} differ)"
+                )
+        linked = 0
+        for sub in parts:
+            files = sorted((source / sub).glob("chunk-*.pt"))
+            if not files:
+                continue
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
+            for f in [source / sub / "settings.json", *files]:
+                if not (target := self.out / sub / f.name).exists():
+                    try:
+                        os.link(f, target)
+                    except OSError:
+                        shutil.copy2(f, target)
+                    linked += f.name != "settings.json"
+        print(f"pool: {linked} chunks of rollouts and held-out Monte Carlo linked from {source}", flush=True)
+
     # --- the pool ------------------------------------------------------------------------------------------
 
     def pool(self, n: int) -> dict[str, Any]:
@@ -375,8 +417,7 @@ class Work:
         """For each of --mc-prompts held-out prompts one completion, its states (measure.mc_state_positions) and K
         fresh rollouts from each (measure.mc_values), in chunks of --mc-chunk prompts, each saved once."""
         a, folder = self.args, self.out / "heldout"
-        check_settings(folder, {**self.settings, "mc_samples": a.mc_samples, "mc_states": a.mc_states,
-                                "mc_chunk": a.mc_chunk})  # fmt: skip
+        check_settings(folder, self.heldout_settings())
         prompts = list(range(self.n_pre, self.n_pre + a.mc_prompts))
         parts: list[dict] = []
         chunks = -(-len(prompts) // a.mc_chunk)
@@ -663,6 +704,8 @@ def main() -> None:
     runtime.release_run_lock()
     runtime.RUN.lock = rundir.RunLock(Path(args.out), flag="--out", who="a critic pretraining").acquire()
     work = Work(args, dist_.device)
+    if args.pool_from is not None:
+        work.link_pool(Path(args.pool_from))
     try:
         pool = work.pool(max(args.rollouts))
         records = {}

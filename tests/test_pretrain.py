@@ -255,6 +255,49 @@ def pretrained(tmp_path_factory) -> Path:
     return out
 
 
+POOLED = ("--critics", "small", "--measure", "--mc-prompts", "8", "--mc-chunk", "4", "--mc-samples", "2")
+
+
+def test_pool_from_reuses_the_rollouts_and_targets_and_makes_only_the_fits(pretrained, tmp_path, monkeypatch):
+    """--pool-from: another fit's settings on the pool and held-out Monte Carlo of `pretrained`, linked, none of it
+    sampled again; its constant rows (the pool's mean, no fit) equal the source's, its critic's fit is its own."""
+    import study.pretrain_critic as tool_module
+
+    sampled: list[int] = []
+    real_sample = tool_module.Work.sample
+    monkeypatch.setattr(tool_module.Work, "sample", lambda self, *a: sampled.append(1) or real_sample(self, *a))
+    out = tmp_path / "other-fit"
+    proc = run_here(TOOL, tool(out, "--rollouts", "32", "--lr", "3e-3", "--epochs", "2", "--pool-from",
+                               str(pretrained), *POOLED))  # fmt: skip
+    check_ok(proc)
+    assert sampled == [], "a rollout or a Monte Carlo sample was made again"
+    assert "chunks of rollouts and held-out Monte Carlo linked" in proc.stdout
+    mine, source = (json.loads((d / "curve.json").read_text()) for d in (out, pretrained))
+    rows = lambda c: {(r["capacity"], r["rollouts"]): r for r in c["rows"]}  # noqa: E731
+    assert rows(mine)["constant", 32]["prompt"] == rows(source)["constant", 32]["prompt"]
+    record = critics.read_critic_record(out / "critic-small-n32.safetensors")
+    assert (record["lr"], record["epochs"]) == (3e-3, 2)
+    assert rows(mine)["small", 32]["prompt"]["nmse"] != rows(source)["small", 32]["prompt"]["nmse"]
+    assert (pretrained / "rollouts" / "chunk-00000.pt").stat().st_ino == (
+        out / "rollouts" / "chunk-00000.pt"
+    ).stat().st_ino
+
+
+@pytest.mark.parametrize("case", ["other sampling", "missing", "itself"])
+def test_pool_from_refuses_in_one_line_and_links_nothing(pretrained, tmp_path, case):
+    out = tmp_path / "out"
+    flags = {
+        "other sampling": ("--pool-from", str(pretrained), "--temperature", "0.5"),
+        "missing": ("--pool-from", str(tmp_path / "nowhere")),
+        "itself": ("--pool-from", str(out)),
+    }[case]
+    if case == "itself":
+        out.mkdir()
+    line = check_one_error_line(run_here(TOOL, tool(out, "--rollouts", "32", *POOLED, *flags)))
+    assert "--pool-from" in line and ("temperature" in line if case == "other sampling" else True)
+    assert not (out / "rollouts").exists() and not (out / "heldout").exists()
+
+
 def test_the_record_says_what_the_critic_was_fitted_on(pretrained):
     record = critics.read_critic_record(pretrained / "critic-small-n32.safetensors")
     chunks = [torch.load(p, weights_only=True) for p in sorted((pretrained / "rollouts").glob("chunk-*.pt"))]
