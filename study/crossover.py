@@ -6,7 +6,8 @@ experiment's runs (GRPO at each G, PPO with each pretrained critic at both price
 report.summarize). Holds: reading and checking curve.json, the section of report.md "Where the crossover lies" (the
 learning curve beside GRPO's 1/(G-1) for each G; each capacity's critic-equivalent group G* = 1 + 1/nmse with its
 interval and the half-width reached; the rollouts at which each critic crosses each G; accuracy at matched compute
-against G and capacity; the ceiling), and its figure, nmse against pretraining rollouts (crossover-curve.png). A
+against G and capacity; the ceiling; the fit's settings, where OUT/crossover/fit-* holds other fits on the curve's
+pool), and its figure, nmse against pretraining rollouts (crossover-curve.png). A
 folder without the crossover's parts gets no section, so an older sweep's report reads as it did.
 Also a command for a curve alone, before any run: `python -m study.crossover runs/crossover-curve` prints its tables
 and writes its figure beside curve.json.
@@ -40,6 +41,7 @@ from study.read_runs import (
 
 EXPERIMENT = "crossover"
 CURVE = Path(EXPERIMENT) / "curve" / "curve.json"  # in a sweep's folder: the plan's step writes it
+FITS = "fit-*/curve.json"  # in OUT/crossover: other fit settings on the curve's pool (pretrain_critic --pool-from)
 FIGURE = "crossover-curve.png"
 GROUPS = (2, 4, 8, 16)  # GRPO's group sizes the plan runs and the curve is read against
 CAPACITIES = ("constant", "small", "medium", "large", "full", "linear")  # the curve's rows in this order
@@ -328,6 +330,49 @@ def ceiling_lines(curve: dict[str, Any]) -> list[str]:
     ]
 
 
+def fit_settings_table(out: Path, curve: dict[str, Any]) -> list[str]:
+    """(vi) the fit's settings: each critic under the --lr and --epochs of every OUT/crossover/fit-*/curve.json (made
+    with pretrain_critic.py --pool-from the curve: the same pool and held-out targets, so the rows differ by the fit
+    alone) beside the curve's own fit of the same capacity and rollouts; [] where no such folder is there."""
+    fits = []
+    for path in sorted((out / EXPERIMENT).glob(FITS)):
+        try:
+            fits.append((path.parent.name, read_curve(path)))
+        except errors.UserError as e:
+            return [f"The fit's settings: {e}."]
+    if not fits:
+        return []
+    refit = {(r["capacity"], r["rollouts"]) for _, c in fits for rows in critics_of(c).values() for r in rows}
+    found = [
+        (r, where)
+        for where, c in [("the curve", curve), *fits]
+        for rows in critics_of(c).values()
+        for r in rows
+        if (r["capacity"], r["rollouts"]) in refit
+    ]
+    found.sort(key=lambda x: (capacity_order(x[0]["capacity"]), x[0]["rollouts"], number(x[0].get("lr")),
+                              number(x[0].get("epochs"))))  # fmt: skip
+    rows = [
+        [r["capacity"], f"{r['rollouts']:,}", f"{number(r.get('lr')):g}", str(r.get("epochs", "?")), where,
+         fmt_num(number(r.get("final_loss")), 4), fmt_interval(*part_of(r, "prompt")),
+         fmt_interval(*part_of(r, "all")), fmt_num(number(r.get("value_explained_variance")))]
+        for r, where in found
+    ]  # fmt: skip
+    head = ["critic", "rollouts", "lr", "epochs", "folder", "final fit loss", "nmse at prompt [95%]",
+            "nmse all states [95%]", "value expl. var."]  # fmt: skip
+    return [
+        "### The fit's settings",
+        "",
+        "Each critic fitted again under other settings on the same rollouts, measured on the same held-out targets "
+        f"(OUT/{EXPERIMENT}/fit-*: pretrain_critic.py --pool-from the curve), so the rows of one critic differ by the "
+        "fit alone; their intervals share the held-out prompts' noise, so a difference between two rows is smaller "
+        "than their intervals suggest. The settings were judged on these held-out targets, the ones the curve "
+        "reports: a choice among them is a selection on the measurement.",
+        "",
+        *table(head, rows),
+    ]
+
+
 def has_parts(out: Path, runs: list[dict[str, Any]]) -> bool:
     """Whether the sweep's folder holds the crossover's parts (its curve or its runs): else no section."""
     return (out / EXPERIMENT / "curve").is_dir() or any(r["experiment"] == EXPERIMENT for r in runs)
@@ -351,6 +396,8 @@ def section(
         lines.append(f"No learning curve: {e if path.exists() else f'{path} is missing (the plan runs it first)'}.")
     if curve is not None:
         lines += curve_lines(curve, groups, grpo)
+        if fits := fit_settings_table(out, curve):
+            lines += ["", *fits]
         if plt is not None:
             plot_curve(plt, curve, report_dir / FIGURE, groups, grpo, note)
             lines += ["", f"![{FIGURE}]({FIGURE})", "", figure_caption(grpo)]

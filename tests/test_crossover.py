@@ -203,6 +203,31 @@ def test_g_star_and_the_crossings_on_a_known_curve(tmp_path):
             crossover.check_groups(bad)
 
 
+def test_the_fit_settings_table_sets_each_fit_beside_the_curves_own_at_the_same_rollouts(tmp_path):
+    """OUT/crossover/fit-*/curve.json (other --lr/--epochs on the curve's pool): each of their critics beside the
+    curve's own fit at the same n, the curve's other n left out; none of those folders: no table."""
+    curve = crossover.read_curve(write_curve(tmp_path / "crossover" / "curve"))
+    assert crossover.fit_settings_table(tmp_path, curve) == []
+    for r in curve["rows"]:
+        r.update(lr=1e-3, epochs=4, final_loss=0.09)
+    fit = {"heldout": curve["heldout"], "rows": [
+        {"capacity": "small", "rollouts": 4096, "lr": 3e-3, "epochs": 16, "final_loss": 0.08,
+         "prompt": part(0.111, 0.02), "all": part(0.222, 0.02), "value_explained_variance": 0.05},
+        {"capacity": "constant", "rollouts": 4096, "prompt": part(0.27, 0.03)},
+    ]}  # fmt: skip
+    (tmp_path / "crossover" / "fit-lr3e-3-e16").mkdir()
+    (tmp_path / "crossover" / "fit-lr3e-3-e16" / "curve.json").write_text(json.dumps(fit))
+    lines = crossover.fit_settings_table(tmp_path, curve)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")][1:]
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+        ("small", "4,096", "0.001", "4", "the curve"), ("small", "4,096", "0.003", "16", "fit-lr3e-3-e16"),
+    ]  # fmt: skip
+    assert rows[1][6].startswith("0.111 [0.091, 0.131]") and rows[1][5] == "0.0800"
+    (tmp_path / "crossover" / "fit-broken").mkdir()
+    (tmp_path / "crossover" / "fit-broken" / "curve.json").write_text("{")
+    assert "fit-broken" in crossover.fit_settings_table(tmp_path, curve)[0]
+
+
 def write_run(root: Path, name: str, res: dict, rows: list[dict]) -> None:
     run_dir = root / "crossover" / name
     run_dir.mkdir(parents=True)
