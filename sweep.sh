@@ -12,7 +12,8 @@
 # {tokens} and {steps} are the generated training tokens and the steps of the same seed's reference GRPO run (its
 # results.json; --budget-from: the experiment's own, h2h/grpo-group by default): matched compute is the same number of
 # generated training tokens, and a run that reads them starts after every run that does not. {10*steps} is a step cap
-# the token budget, not the cap, ends. {out} is the sweep's folder.
+# the token budget, not the cap, ends. {out} is the sweep's folder: a line that names it reads what another line made
+# there, so it starts after every line that does not (as a budget's reader does).
 # A line whose script is a study module (study.pretrain_critic) is a step, not a trainer: it runs once for every seed,
 # among the runs without a budget, into OUT/<experiment>/<name> (--out, --model, --no-progress; no trainer's flag);
 # it resumes by itself, so it runs again each time and redoes only what is missing.
@@ -65,6 +66,13 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # step times): the curve ~10 min beside 12 GRPO runs of ~5.3 min, ~37 min; then 9 amortised PPO runs of ~5.1 min
 # and 9 paid ones of ~3.6 min, ~39 min; ~80 min in all. A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large --rollouts 256 1024 4096 16384 --measure
+# the fit's settings: each head fitted again on the curve's first 4,096 rollouts at other learning rates and epochs,
+# measured on the curve's held-out targets (--pool-from: its rollouts and Monte Carlo linked, none sampled again)
+crossover      fit-lr3e-4-e4         study.pretrain_critic --critics small medium large --rollouts 4096 --lr 3e-4 --epochs 4 --measure --pool-from {out}/crossover/curve
+crossover      fit-lr3e-3-e4         study.pretrain_critic --critics small medium large --rollouts 4096 --lr 3e-3 --epochs 4 --measure --pool-from {out}/crossover/curve
+crossover      fit-lr1e-2-e4         study.pretrain_critic --critics small medium large --rollouts 4096 --lr 1e-2 --epochs 4 --measure --pool-from {out}/crossover/curve
+crossover      fit-lr1e-3-e16        study.pretrain_critic --critics small medium large --rollouts 4096 --lr 1e-3 --epochs 16 --measure --pool-from {out}/crossover/curve
+crossover      fit-lr3e-3-e16        study.pretrain_critic --critics small medium large --rollouts 4096 --lr 3e-3 --epochs 16 --measure --pool-from {out}/crossover/curve
 crossover      grpo-group-g2         grpo.py --group-size 2 --batch-size 128 --total-steps 50
 crossover      grpo-group-g4         grpo.py --group-size 4 --batch-size 64 --total-steps 50
 crossover      grpo-group            grpo.py --group-size 8 --batch-size 32 --total-steps 50

@@ -124,6 +124,10 @@ class Run:
         return any(PLACEHOLDER.search(f) for f in self.flags)
 
     @property
+    def after_others(self) -> bool:  # it reads a budget, or what another line made in the sweep's folder ({out})
+        return self.needs_budget or any("{out}" in f for f in self.flags)
+
+    @property
     def step(self) -> bool:  # a study module's line (study.pretrain_critic): once for every seed, in OUT/<exp>/<name>
         return self.script.startswith("study.")
 
@@ -222,7 +226,7 @@ def parse_args(argv: list[str], experiments: list[str], plan: str = "") -> Optio
 
 def make_runs(o: Options, lines: list[tuple[str, str, str, list[str]]]) -> list[Run]:
     """One Run per chosen plan line and seed. The order is the schedule's: runs without a budget first, then those
-    that read one; within each, by experiment (in the plan's order), seed, then line."""
+    that read one or what another line made ({out}); within each, by experiment (in the plan's order), seed, line."""
     order = list(dict.fromkeys(e for e, *_ in lines))
     runs = []
     for budget in (False, True):
@@ -234,7 +238,7 @@ def make_runs(o: Options, lines: list[tuple[str, str, str, list[str]]]) -> list[
                     run = Run(e, name, seed, script, flags, o.out / e / f"{name}-s{seed}")
                     if run.step:  # a study module's line runs once for every seed, in the first seed's turn
                         run.dir = o.out / e / name
-                    if e == exp and run.needs_budget == budget and (not run.step or seed == o.seeds[0]):
+                    if e == exp and run.after_others == budget and (not run.step or seed == o.seeds[0]):
                         runs.append(run)
     return runs
 
@@ -601,8 +605,8 @@ def submit_slurm(s: Sweep) -> None:
     dep: list[str] = []
     todo = [i for i, st in enumerate(s.state) if st != "finished"]
     for name, part, what in (
-        ("sweep", [i for i in todo if not s.runs[i].needs_budget], "the runs without a budget"),
-        ("sweep-h2h", [i for i in todo if s.runs[i].needs_budget], "the budget-matched runs (after the others)"),
+        ("sweep", [i for i in todo if not s.runs[i].after_others], "the runs without a budget"),
+        ("sweep-h2h", [i for i in todo if s.runs[i].after_others], "the budget-matched runs (after the others)"),
         ("sweep-report", None, "the report"),
     ):
         if part == []:
@@ -738,8 +742,8 @@ def main(argv: list[str]) -> int:
     elif len(slots) > 1:
         print(f"{len(slots)} runs at once on the CPU", flush=True)
     t0 = time.time()
-    for budget in (False, True):  # the budget-matched runs after every other, their references among them
-        s.pool([i for i, r in enumerate(runs) if r.needs_budget == budget], slots)
+    for after in (False, True):  # the budget-matched runs (and {out}'s readers) after every other: references first
+        s.pool([i for i, r in enumerate(runs) if r.after_others == after], slots)
     print(f"sweep: ran for {round(time.time() - t0)}s")
     n_ok, failed = s.summary()
     if s.stop:

@@ -46,7 +46,7 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
     both prices, the budget read from the same seed's G = 8 run of the crossover (not the head-to-head's)."""
     out = tmp_path / "out"
     cmds = commands(out)
-    steps = [c for c in cmds if "study.pretrain_critic" in c]
+    steps = [c for c in cmds if "study.pretrain_critic" in c and "--pool-from" not in c]
     assert len(steps) == 1, "the curve runs once for every seed"
     (step,) = steps
     assert flag(step, "--out") == str(out / "crossover" / "curve") and flag(step, "--model") == "organism"
@@ -78,6 +78,18 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
         for critic in capacities:
             prices = sorted("--count-critic-init-tokens" in c for c in ppo if flag(c, "--critic") == critic)
             assert prices == [False, True], critic
+    # the fit's settings: the curve's capacities at an n the PPO runs load, refitted on its pool under other settings
+    # (none the curve's own: 1e-3, 4 epochs), once for every seed, each after every line that does not read {out}
+    fits = [c for c in cmds if "--pool-from" in c]
+    loaded = {int(re.search(r"-n(\d+)\.", flag(c, "--critic-init")).group(1)) for c in cmds if "--critic-init" in c}
+    assert len(fits) >= 2 and len({(flag(c, "--lr"), flag(c, "--epochs")) for c in fits}) == len(fits)
+    last_grpo = max(i for i, c in enumerate(cmds) if "grpo.py" in c)
+    for c in fits:
+        assert flag(c, "--pool-from") == str(out / "crossover" / "curve") and "--measure" in c and "--seed" not in c
+        assert c[c.index("--critics") + 1 : c.index("--rollouts")] == capacities
+        assert int(flag(c, "--rollouts")) in loaded and (float(flag(c, "--lr")), flag(c, "--epochs")) != (1e-3, "4")
+        assert flag(c, "--out") == str(out / "crossover" / f"fit-lr{flag(c, '--lr')}-e{flag(c, '--epochs')}")
+        assert cmds.index(c) > last_grpo
     assert not out.exists()
     default = run_sweep("--organism", "--dry-run", "--out", out)  # the default study: no crossover line in it
     check_ok(default)
@@ -103,8 +115,12 @@ def test_each_experiment_reads_its_own_reference_and_a_step_is_no_run_of_the_pla
     other = sweep_runner.Run("critic-lambda", "x", 1, "ppo.py", ["--token-budget", "{tokens}"], o.out / "x")
     assert sweep_runner.reference(o, other) == o.out / "h2h" / "grpo-group-s1"
     steps = [r for r in runs if r.step]
-    assert [(r.name, r.dir) for r in steps] == [("curve", o.out / "crossover" / "curve")]
+    assert [(r.name, r.dir) for r in steps][0] == ("curve", o.out / "crossover" / "curve")
     assert runs.index(steps[0]) < min(i for i, r in enumerate(runs) if r.needs_budget)  # before what reads a budget
+    fits = steps[1:]  # they read the curve's pool ({out}): after every line that does not, as a budget's readers
+    assert fits and all(r.name.startswith("fit-") and r.dir == o.out / "crossover" / r.name for r in fits)
+    assert all(r.after_others and not r.needs_budget for r in fits)
+    assert min(runs.index(r) for r in fits) > max(i for i, r in enumerate(runs) if not r.after_others)
     cmd = sweep_runner.command(o, steps[0], smoke, None)
     assert cmd[1:4] == ["-m", "study.pretrain_critic", "--out"] and "--eval-size" not in cmd and "--scale" not in cmd
     assert sweep_runner.command(o, ppo, smoke, (1000, 7))[-2:] == ["--eval-size", "8"]
@@ -365,6 +381,7 @@ SMALL_PLAN = """\
 crossover  curve  study.pretrain_critic --critics small --rollouts 4 8 --measure --holdout 16 --mc-prompts 4 --mc-samples 2 --chunk 4 --epochs 1
 crossover  grpo-group  grpo.py --batch-size 4 --group-size 2
 crossover  grpo-group-g4  grpo.py --batch-size 2 --group-size 4
+crossover  fit-lr3e-3-e2  study.pretrain_critic --critics small --rollouts 8 --measure --holdout 16 --mc-prompts 4 --mc-samples 2 --chunk 4 --epochs 2 --lr 3e-3 --pool-from {out}/crossover/curve
 crossover  ppo-small-n8-amortised  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n8.safetensors --token-budget {tokens} --total-steps {10*steps}
 crossover  ppo-small-n4-paid  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 smoke  *  --total-steps 2 --max-new-tokens 8 --eval-every 1 --eval-size 8 --test-size 8 --eval-max-new-tokens 8
@@ -394,8 +411,12 @@ def test_a_small_crossover_runs_its_curve_once_then_the_runs_and_reports_the_sec
     proc = sweep()
     check_ok(proc)
     curve = out / "crossover" / "curve"
-    assert proc.stdout.count("study.pretrain_critic --out") == 1 and (curve / "curve.json").is_file()
-    assert "sweep: 5 of 5 runs finished" in proc.stdout  # the step and the 4 runs
+    assert proc.stdout.count("study.pretrain_critic --out") == 2 and (curve / "curve.json").is_file()
+    assert "sweep: 6 of 6 runs finished" in proc.stdout  # the two steps and the 4 runs
+    # the fit's step names {out}: it started after the curve had finished, and linked its pool (sampled nothing)
+    fit_log = (out / "logs" / "crossover" / "fit-lr3e-3-e2.log").read_text()
+    assert "linked from" in fit_log and "0 chunks made now" in fit_log
+    assert (out / "crossover" / "fit-lr3e-3-e2" / "curve.json").is_file()
     assert "curve" not in (out / "plan.tsv").read_text() and len((out / "plan.tsv").read_text().splitlines()) == 4
     critics = sorted(curve.glob("critic-*.safetensors"))
     assert [p.name for p in critics] == ["critic-small-n4.safetensors", "critic-small-n8.safetensors"]
@@ -410,10 +431,11 @@ def test_a_small_crossover_runs_its_curve_once_then_the_runs_and_reports_the_sec
     assert (
         "## Where the crossover lies" in md and "| small | 8 |" in md and (out / "report" / crossover.FIGURE).is_file()
     )
+    assert "### The fit's settings" in md and "| small | 8 | 0.003 | 2 | fit-lr3e-3-e2 |" in md
     assert "| ppo-small-n4-paid | small | paid | 1 |" in md and "| grpo-group-g4 | G = 4 | - | 1 |" in md
     again = sweep()
     check_ok(again)
-    assert again.stdout.count("skip  ") == 4 and again.stdout.count("study.pretrain_critic --out") == 1
+    assert again.stdout.count("skip  ") == 4 and again.stdout.count("study.pretrain_critic --out") == 2
     assert [p.stat().st_mtime_ns for p in critics] == stamps  # reused, not fitted again
     log = (out / "logs" / "crossover" / "curve.log").read_text()
     assert log.count("=== ") == 2 and "0 chunks made now" in log
