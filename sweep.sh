@@ -77,6 +77,10 @@ crossover      grpo-group-g2         grpo.py --group-size 2 --batch-size 128 --t
 crossover      grpo-group-g4         grpo.py --group-size 4 --batch-size 64 --total-steps 50
 crossover      grpo-group            grpo.py --group-size 8 --batch-size 32 --total-steps 50
 crossover      grpo-group-g16        grpo.py --group-size 16 --batch-size 16 --total-steps 50 --mc-prompts 16 --mc-every 1
+# the control: PPO without a critic (its baseline the batch's mean reward, the same for every token) at the same
+# budget, so that what a pretrained critic adds is read against PPO itself, not only against GRPO, which differs from
+# PPO in more than its baseline (prompts a step, the advantage's scale)
+crossover      ppo-none              ppo.py --critic none --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-small-n4096-amortised   ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-medium-n4096-amortised  ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-large-n4096-amortised   ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}

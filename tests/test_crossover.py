@@ -66,8 +66,14 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
             name = "grpo-group" if g == 8 else f"grpo-group-g{g}"
             assert flag(c, "--run-dir") == str(out / "crossover" / f"{name}-s{seed}")
         assert len({flag(c, "--total-steps") for c in grpo}) == 1
-        ppo = [c for c in cmds if "ppo.py" in c and flag(c, "--seed") == str(seed)]
+        ppo = [c for c in cmds if "ppo.py" in c and flag(c, "--seed") == str(seed) and flag(c, "--critic") != "none"]
         assert len(ppo) == 2 * len(capacities)
+        # the control: PPO without a critic (the batch's mean reward) at the same seed's G = 8 budget
+        (none,) = [
+            c for c in cmds if "ppo.py" in c and flag(c, "--seed") == str(seed) and flag(c, "--critic") == "none"
+        ]
+        assert "--critic-init" not in none and flag(none, "--run-dir") == str(out / "crossover" / f"ppo-none-s{seed}")
+        assert flag(none, "--token-budget") == f"<generated_tokens of {out / 'crossover' / 'grpo-group'}-s{seed}>"
         for c in ppo:
             critic, init = flag(c, "--critic"), Path(flag(c, "--critic-init"))
             m = re.fullmatch(rf"critic-{critic}-n(\d+)\.safetensors", init.name)
