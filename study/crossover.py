@@ -44,6 +44,7 @@ CURVE = Path(EXPERIMENT) / "curve" / "curve.json"  # in a sweep's folder: the pl
 FITS = "fit-*/curve.json"  # in OUT/crossover: other fit settings on the curve's pool (pretrain_critic --pool-from)
 FIGURE = "crossover-curve.png"
 GROUPS = (2, 4, 8, 16)  # GRPO's group sizes the plan runs and the curve is read against
+CONTROL = "ppo-none"  # PPO without a critic (the batch's mean reward): what a pretrained critic adds is read against it
 CAPACITIES = ("constant", "small", "medium", "large", "full", "linear")  # the curve's rows in this order
 PARTS = {"prompt": "at the prompt", "inside": "inside completions", "all": "over all states"}
 
@@ -271,10 +272,14 @@ def measured_grpo(summary: list[dict[str, Any]], runs: list[dict[str, Any]]) -> 
     }  # fmt: skip
 
 
-def accuracy_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]:
+def accuracy_table(
+    summary: list[dict[str, Any]], runs: list[dict[str, Any]], control: dict[tuple[str, str], tuple] | None = None
+) -> list[str]:
     """(iv): the crossover's runs at matched compute: GRPO per G, PPO per capacity and price; test accuracy over
-    seeds, the paired difference from GRPO at the study's G (grpo-group), the baseline's nmse measured in training,
-    the training tokens and the pretraining's."""
+    seeds, the paired difference from GRPO at the study's G (grpo-group) and, for a pretrained critic, from PPO
+    without one (control: (experiment, run) -> report.paired_vs_grpo's tuple against CONTROL), the baseline's nmse
+    measured in training, the training tokens and the pretraining's."""
+    control = control or {}
     mine = [r for r in runs if r["experiment"] == EXPERIMENT]
     pre: dict[str, list[float]] = {}
     for r in mine:
@@ -294,14 +299,16 @@ def accuracy_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]]) ->
         acc = f"{fmt_pct(s['test_accuracy'])} " + (
             f"[{fmt_pct(s['interval_low'])}, {fmt_pct(s['interval_high'])}]" if finite(s["interval_low"]) else "[n/a]"
         )
+        vs_none = control.get((EXPERIMENT, s["run"])) if s["run"] in pre else None
         rows.append([
             s["run"], what, price, str(s["seeds"]), acc, fmt_signed_interval(s["vs_grpo"], s["vs_grpo_low"],
-            s["vs_grpo_high"]), fmt_interval(s["nmse_prompt"], s["nmse_prompt_low"], s["nmse_prompt_high"]),
+            s["vs_grpo_high"]), fmt_signed_interval(*vs_none[:3]) if vs_none else "-", fmt_interval(s["nmse_prompt"], s["nmse_prompt_low"], s["nmse_prompt_high"]),
             fmt_interval(s["nmse"], s["nmse_low"], s["nmse_high"]), fmt_tokens(s["generated_tokens"]),
             fmt_tokens(mean(pre[s["run"]])) if s["run"] in pre else "-",
         ])  # fmt: skip
     head = ["run", "G / critic", "price", "seeds", "test acc. % [95%]", f"vs GRPO G = {STUDY_GROUP}, points [95%]",
-            "nmse at prompt [95%]", "nmse [95%]", "training tokens", "pretraining tokens"]  # fmt: skip
+            f"vs PPO without a critic ({CONTROL}), points [95%]", "nmse at prompt [95%]", "nmse [95%]",
+            "training tokens", "pretraining tokens"]  # fmt: skip
     return table(head, rows) if rows else []
 
 
@@ -379,7 +386,13 @@ def has_parts(out: Path, runs: list[dict[str, Any]]) -> bool:
 
 
 def section(
-    out: Path, summary: list[dict[str, Any]], runs: list[dict[str, Any]], plt: Any, report_dir: Path, note: str = ""
+    out: Path,
+    summary: list[dict[str, Any]],
+    runs: list[dict[str, Any]],
+    plt: Any,
+    report_dir: Path,
+    note: str = "",
+    control: dict[tuple[str, str], tuple] | None = None,
 ) -> list[str]:
     """report.md's "Where the crossover lies", and its figure into report_dir (plt None: none); [] where the folder
     has no crossover parts."""
@@ -403,7 +416,7 @@ def section(
             lines += ["", f"![{FIGURE}]({FIGURE})", "", figure_caption(grpo)]
     budgets = sorted({(r["seed"], r["generated_tokens"], r["steps"]) for r in runs
                       if r["experiment"] == EXPERIMENT and r["run"] == "grpo-group"})  # fmt: skip
-    acc = accuracy_table(summary, runs)
+    acc = accuracy_table(summary, runs, control)
     lines += ["", "### Accuracy at matched compute", ""]
     if acc:
         budget = "; ".join(f"seed {s}: {t:,} generated tokens in {n} steps" for s, t, n in budgets)
@@ -413,7 +426,9 @@ def section(
             "Amortised: the critic's pretraining is free (one critic serves many runs); paid: its tokens come out "
             "of the budget (ppo.py --count-critic-init-tokens), so training has fewer. vs GRPO: the paired "
             "difference in test accuracy from GRPO at G = 8 on the same test problems, the t interval over the "
-            "per-seed differences (as the Results table). nmse: the run's own baseline measured in training.",
+            "per-seed differences (as the Results table); vs PPO without a critic: the same from the control, "
+            f"{CONTROL} (PPO whose baseline is the batch's mean reward): what the pretrained critic adds to PPO. nmse: "
+            "the run's own baseline measured in training.",
             "",
             *acc,
         ]

@@ -190,17 +190,19 @@ def grpo_reference(runs: list[dict[str, Any]], experiment: str) -> list[dict[str
     return []
 
 
-def paired_vs_grpo(runs: list[dict[str, Any]]) -> dict[tuple[str, str], tuple[float, float, float, float, float]]:
-    """(experiment, run) -> the paired difference in test accuracy from that experiment's GRPO group-mean run over
-    the seeds both have: intervals.paired_seed_difference (the t interval over the per-seed paired differences, which
+def paired_vs_grpo(
+    runs: list[dict[str, Any]], reference: str = "grpo-group"
+) -> dict[tuple[str, str], tuple[float, float, float, float, float]]:
+    """(experiment, run) -> the paired difference in test accuracy from that experiment's reference run (GRPO's
+    group mean; the crossover's control, ppo-none, for its critics) over the seeds both have: intervals.paired_seed_difference (the t interval over the per-seed paired differences, which
     carries the seed-to-seed variance; one seed: its problems' paired interval), the number of problems and of
     seeds. Needs per-problem correctness (results.json's test.correct) of the same problems in both."""
     out = {}
     for experiment in {r["experiment"] for r in runs}:
-        ref = {r["seed"]: r["correct"] for r in runs if r["experiment"] == experiment and r["run"] == "grpo-group"}
+        ref = {r["seed"]: r["correct"] for r in runs if r["experiment"] == experiment and r["run"] == reference}
         groups: dict[str, list[dict[str, Any]]] = {}
         for r in runs:
-            if r["experiment"] == experiment and r["run"] != "grpo-group":
+            if r["experiment"] == experiment and r["run"] != reference:
                 groups.setdefault(r["run"], []).append(r)
         for run, rs in groups.items():
             pairs = [
@@ -572,7 +574,8 @@ def write_report(out: Path, report_dir: Path) -> Path:
     hardware = "one kind of hardware, " + devices[0] if len(devices) == 1 else f"{len(devices)} kinds of hardware"
     lines += ["", "## Compute", "", f"Each run's budget, three ways (mean over seeds; wall time on {hardware}):", ""]
     lines += [compute_table(summary), ""]
-    lines += crossover.section(out, summary, runs, plt, report_dir, toy_reason(runs, out))  # [] without its parts
+    control = paired_vs_grpo(runs, crossover.CONTROL)  # the crossover's critics against PPO without one
+    lines += crossover.section(out, summary, runs, plt, report_dir, toy_reason(runs, out), control)  # [] without it
     problems = damaged + missing_runs(out, runs)
     if problems:
         lines += ["", "## Failed, missing or damaged runs", ""] + [f"- {p}" for p in problems]

@@ -267,7 +267,9 @@ def synthetic_sweep(out: Path) -> dict[tuple[str, int], list[float]]:
     g = torch.Generator().manual_seed(0)
     correct: dict[tuple[str, int], list[float]] = {}
     arms = [(f"grpo-group-g{G}" if G != 8 else "grpo-group", "grpo", G, None) for G in (2, 4, 8, 16)]
-    arms += [(f"ppo-small-n4096-{p}", "ppo", None, p) for p in ("amortised", "paid")]
+    arms += [(f"ppo-small-n4096-{p}", "ppo", None, p) for p in ("amortised", "paid")] + [
+        ("ppo-none", "ppo", None, None)
+    ]
     for name, method, G, price in arms:
         for seed in (1, 2, 3):
             rows = []
@@ -280,9 +282,10 @@ def synthetic_sweep(out: Path) -> dict[tuple[str, int], list[float]]:
                 rows.append({"step": step, **{f"mc/{key}/{k}": v for k, v in err.items()},
                              **{f"mc/{key}_prompt/{k}": v for k, v in first.items()}})  # fmt: skip
             correct[(name, seed)] = (torch.rand(100, generator=g) < 0.5).float().tolist()
-            res = {"method": method, "variant": "group" if method == "grpo" else "small", "seed": seed, "steps": 3,
+            variant = "group" if method == "grpo" else name.split("-")[1]
+            res = {"method": method, "variant": variant, "seed": seed, "steps": 3,
                    "generated_tokens": 1000 + seed, "trained_tokens": 2000, "policy_params": 10, "critic_params": 5,
-                   "args": {"group_size": G, "batch_size": 256 // G} if G else {"critic": "small"},
+                   "args": {"group_size": G, "batch_size": 256 // G} if G else {"critic": variant},
                    "test": {"accuracy": sum(correct[(name, seed)]) / 100, "n": 100, "ci95": [0.4, 0.6],
                             "correct": correct[(name, seed)]}}  # fmt: skip
             if price:
@@ -321,6 +324,14 @@ def test_the_section_on_known_inputs_and_its_figure(tmp_path):
         cell = f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
         (line,) = [x for x in section.splitlines() if x.startswith(f"| {name} |")]
         assert cell in line, (cell, line)
+    # and a pretrained critic's from the control, PPO without a critic; the control itself has no such cell
+    for name in ("ppo-small-n4096-paid", "ppo-small-n4096-amortised"):
+        per_seed = [sum(a - b for a, b in zip(correct[(name, s)], correct[("ppo-none", s)])) / 100 for s in (1, 2, 3)]
+        d, lo, hi = intervals.mean_interval(per_seed)
+        (line,) = [x for x in section.splitlines() if x.startswith(f"| {name} |")]
+        assert line.split(" | ")[6] == f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]", line
+    (none,) = [x for x in section.splitlines() if x.startswith("| ppo-none |")]
+    assert none.split(" | ")[1:3] == ["none", "-"] and none.split(" | ")[6] == "-"
     (paid,) = [x for x in section.splitlines() if x.startswith("| ppo-small-n4096-paid |")]
     assert "| small | paid | 3 |" in paid and paid.endswith("| 150k |")
     assert [x.split(" | ")[1] for x in section.splitlines() if x.startswith("| grpo-group")] == [
