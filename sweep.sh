@@ -64,7 +64,8 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # when one critic serves many runs) and paid (--count-critic-init-tokens: spent from the budget). 3 seeds.
 # Estimate on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md: from the committed organism runs'
 # step times): the curve ~10 min beside 12 GRPO runs of ~5.3 min, ~37 min; then 9 amortised PPO runs of ~5.1 min
-# and 9 paid ones of ~3.6 min, ~39 min; ~80 min in all. A stopped sweep resumes where it stopped.
+# and 9 paid ones of ~3.6 min, ~39 min; ~80 min in all, ~92 with the control (3 x ~5.1 min) and the fit steps
+# (measured 2026-12-07: 1 h 47 min beside other work). A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large --rollouts 256 1024 4096 16384 --measure
 # the fit's settings: each head fitted again on the curve's first 4,096 rollouts at other learning rates and epochs,
 # measured on the curve's held-out targets (--pool-from: its rollouts and Monte Carlo linked, none sampled again)

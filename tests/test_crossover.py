@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -352,8 +353,10 @@ def test_the_section_on_known_inputs_and_its_figure(tmp_path):
 
 
 def test_a_folder_without_the_crossovers_parts_has_no_section_and_a_damaged_curve_is_named(tmp_path):
-    runs, _ = report.load_runs(REPO / "docs" / "organism")
-    assert crossover.section(REPO / "docs" / "organism", report.summarize(runs), runs, None, tmp_path) == []
+    older = tmp_path / "older"  # an older sweep: the committed organism study's head-to-head alone
+    shutil.copytree(REPO / "docs" / "organism" / "h2h" / "grpo-group-s1", older / "h2h" / "grpo-group-s1")
+    runs, _ = report.load_runs(older)
+    assert runs and crossover.section(older, report.summarize(runs), runs, None, tmp_path) == []
     out = tmp_path / "out"
     synthetic_sweep(out)
     md = report.write_report(out, out / "report").read_text()

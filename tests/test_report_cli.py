@@ -254,7 +254,10 @@ def test_the_committed_organism_study_gives_its_committed_report(tmp_path, monke
     any machine (the report's one "Written by" line carries the clock time)."""
     root = REPO
     study = root / "docs" / "organism"
-    assert len(list(study.glob("*/*-s[123]/results.json"))) == 54, "the 18 runs x 3 seeds, every one finished"
+    # the 18 runs x 3 seeds of the study and the crossover's 11 x 3 (GRPO at 4 G, PPO with 3 critics at 2 prices, the
+    # control), every one finished
+    assert len(list(study.glob("*/*-s[123]/results.json"))) == 18 * 3 + 11 * 3
+    assert (study / "crossover" / "curve" / "curve.json").is_file()
     assert not list(study.rglob("checkpoint")), "no checkpoints committed"
     monkeypatch.chdir(root)  # the report's title names the folder as given: from the project root, as documented
     check_ok(run_here("report.py", [str(study.relative_to(root)), "--report-dir", str(tmp_path)]))
