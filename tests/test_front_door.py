@@ -37,6 +37,12 @@ def test_ci_runs_the_readmes_test_command_as_written():
     assert not [c for c in commands if "pytest" in c.split("#")[0] and "grep" not in c], commands
 
 
+def make_env() -> dict[str, str]:
+    """This environment without the outer make's: its MAKEFLAGS, nor the Makefile's own variables, which a
+    `make test ARGS=...` running these tests exports to them (ARGS would otherwise reach the copy's `make -n run`)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MAKE") and k not in ("ARGS", "PYTHON", "VENV")}
+
+
 @pytest.fixture()
 def house(tmp_path):
     """A copy of the Makefile and requirements.txt, and a stand-in for python3 that says it is 3.12."""
@@ -47,7 +53,7 @@ def house(tmp_path):
 
 def dry_run(folder: Path, *args: str) -> list[str]:
     """The lines `make -n` prints: what it would run, trailing blanks (an empty ARGS) dropped."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env = make_env()
     proc = subprocess.run(["make", "-n", *args], cwd=folder, capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return [line.rstrip() for line in proc.stdout.splitlines()]
@@ -74,7 +80,7 @@ def test_once_installed_only_the_command_runs(house):
 def test_the_environments_commands_come_first_on_path(house):
     """The suite starts torchrun and python by name: make puts .venv/bin first on PATH, as activating it would."""
     (house / "Makefile").write_text((house / "Makefile").read_text() + "\nshow-path:\n\t@echo $$PATH\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env = make_env()
     out = subprocess.run(["make", "-s", "show-path"], cwd=house, capture_output=True, text=True, env=env, timeout=60)
     assert out.stdout.split(":")[0] == str(house / ".venv" / "bin")
 
@@ -83,7 +89,7 @@ def test_a_python_older_than_311_is_one_error_line_before_anything_is_made(house
     old = house / "python-old"
     old.write_text("#!/bin/sh\nexit 1\n")  # what `python -c 'sys.exit(sys.version_info < (3, 11))'` does on 3.10
     old.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    env = make_env()
     proc = subprocess.run(
         ["make", "run", f"PYTHON={old}"], cwd=house, capture_output=True, text=True, env=env, timeout=60
     )
