@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_ok, check_one_error_line, cli, run_here, step_rows
+from helpers import REPO, check_ok, check_one_error_line, cli, run_here, run_trainer, step_rows
 
 import critics
 from critics import build_critic
@@ -247,11 +247,13 @@ def test_a_folder_of_other_settings_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
-    """A small critic pretrained on 32 rollouts of the tiny model (seed 1), and the held-out curve beside it."""
+    """A small critic pretrained on 32 rollouts of the tiny model (seed 1), and the held-out curve beside it. Made in
+    a fresh process: a module fixture is made after whatever tests its worker ran before, and an in-process run
+    once failed there with another test's --model (a whole-suite run in a fresh clone, 2026-12-07)."""
     out = tmp_path_factory.mktemp("pretrained") / "out"
     flags = ("--rollouts", "16", "32", "--critics", "small", "--measure", "--mc-prompts", "8", "--mc-chunk", "4",
              "--mc-samples", "2")  # fmt: skip
-    check_ok(run_here(TOOL, tool(out, *flags)))
+    check_ok(run_trainer("study/pretrain_critic.py", tool(out, *flags)))
     return out
 
 
