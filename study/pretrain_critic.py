@@ -180,17 +180,22 @@ def load_chunk(path: Path) -> dict[str, Any]:
         raise errors.UserError(f"{path} is damaged ({type(e).__name__}: {e}); remove it and run again") from None
 
 
+def settings_differ(path: Path, settings: dict[str, Any], remedy: str) -> list[str]:
+    """The keys whose value in the settings.json at path differs from settings ([] where none does); a damaged
+    file is one UserError naming it and the remedy."""
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError as e:
+        raise errors.UserError(f"{path} is damaged ({e}); {remedy}") from None
+    return sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+
+
 def check_settings(folder: Path, settings: dict[str, Any]) -> None:
     """folder/settings.json written, or, where one is there, the same settings: the chunks beside it are then these
     settings' own. Other settings are refused in one line naming what differs."""
     path = folder / "settings.json"
     if path.is_file():
-        try:
-            saved = json.loads(path.read_text())
-        except ValueError as e:
-            raise errors.UserError(f"{path} is damaged ({e}); remove {folder} and run again") from None
-        if saved != settings:
-            keys = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+        if keys := settings_differ(path, settings, f"remove {folder} and run again"):
             raise errors.UserError(
                 f"{folder} holds work of other settings ({', '.join(keys)} differ); choose another --out"
             )
@@ -307,12 +312,7 @@ class Work:
             path = source / sub / "settings.json"
             if not path.is_file():
                 continue  # none of it made there: made here
-            try:
-                saved = json.loads(path.read_text())
-            except ValueError as e:
-                raise errors.UserError(f"--pool-from: {path} is damaged ({e})") from None
-            if saved != settings:
-                keys = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
+            if keys := settings_differ(path, settings, "make it again there, or name another --pool-from"):
                 raise errors.UserError(
                     f"--pool-from {source}: its {sub} were made with other settings ({', '.join(keys)} differ)"
                 )
