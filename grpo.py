@@ -311,7 +311,7 @@ def main() -> None:
         counters.update(state["counters"])
     test_before = state.get("test_before")  # the test split before training: evaluated once, before the loop
     if dist_.main:
-        task = "the organism's task" if args.model == models.ORGANISM and not args.data_dir else "GSM8K"
+        task = "the organism's task" if models.is_organism(args.model) and not args.data_dir else "GSM8K"
         data = f"{task}: train {len(splits['train'])}, val {len(splits['val'])}, test {len(splits['test'])}"
         banner = {
             "model": f"{args.model} ({distributed.count_params(policy):,} parameters)",

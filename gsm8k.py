@@ -108,8 +108,8 @@ def check_prompt_lengths(
     context is refused naming its file and line; the memory estimate made before loading is made again with
     the longest prompt in place of models.PROMPT_TOKENS. The organism's prompts are checked first
     (check_organism_reading). Returns the longest prompt's length."""
-    if model == models.ORGANISM:
-        check_organism_reading(splits, tokenizer, prompt_format, models.organism_info())
+    if models.is_organism(model):
+        check_organism_reading(splits, tokenizer, prompt_format, models.organism_info(model))
     try:
         context = models._model_config(model).max_position_embeddings
     except Exception:  # an unknown model or config: loading the model reports it
@@ -171,8 +171,8 @@ def resolve_data_dir(data_dir: str | None, model: str = "") -> str | None:
     organism's), else $GSM8K_DIR, else None (the hub id openai/gsm8k through `datasets`)."""
     if data_dir:
         return data_dir
-    if model == models.ORGANISM:
-        return str(models.organism_folder() / "data")
+    if models.is_organism(model):
+        return str(models.organism_folder(model) / "data")
     return os.environ.get("GSM8K_DIR") or None
 
 

@@ -253,6 +253,28 @@ def baseline_error_by_state(
     return out
 
 
+def group_mean_error(returns: torch.Tensor, group: int, draws: int = 16, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """GRPO's baseline at the prompt measured, not assumed: each prompt's K Monte Carlo returns split at random into
+    the G - 1 others of a group (their mean is the leave-one-out baseline one sample of the group sees) and the K -
+    G + 1 left (their mean p_hat, independent of it). E[(b - p_hat)^2] = E[(b - p)^2] + Var(p_hat), and the left
+    samples' variance / (K - G + 1) estimates Var(p_hat) without bias, so their difference is the baseline's squared
+    error with the noise removed, averaged over `draws` random splits. The scale is the prompt's p(1-p), estimated
+    without bias by the K returns' variance (K - 1 in the denominator): the ratio of the sums is measure.py's nmse at
+    the prompt, 1/(G - 1) in expectation for Bernoulli rewards (intervals.group_nmse): a check of the formula on the
+    policy's own prompts. Needs K - G + 1 >= 2.  returns [N, K] (0/1) -> per prompt (squared error, p(1-p)), [N] each"""
+    n, k = returns.shape
+    left = k - (group - 1)
+    if group < 2 or left < 2:
+        raise ValueError(f"a group of {group} needs at least {group + 1} Monte Carlo samples a prompt, not {k}")
+    g = torch.Generator().manual_seed(seed)
+    err = torch.zeros(n, dtype=torch.float64)
+    for _ in range(draws):
+        r = returns.double().gather(1, torch.argsort(torch.rand(n, k, generator=g), dim=1))  # [N, K] shuffled
+        base, rest = r[:, : group - 1].mean(1), r[:, group - 1 :]
+        err += (base - rest.mean(1)) ** 2 - rest.var(1, unbiased=True) / left
+    return err / draws, returns.double().var(1, unbiased=True)
+
+
 def baseline_error_ratios(sums: dict[str, float]) -> dict[str, float]:
     """nmse, nmse_centred, within_nmse, bias, rmse, explained_variance, signal_fraction from baseline_error's sums."""
     nan = float("nan")

@@ -89,6 +89,17 @@ crossover      ppo-small-n4096-paid        ppo.py --critic small --critic-init {
 crossover      ppo-medium-n4096-paid       ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-large-n4096-paid        ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 
+# How the crossover moves (optional, --organism --experiments spread,size): the crossover's measurement on the other
+# organisms (plumbing/models.py ORGANISMS, each built once on first use and cached): the critics' learning curve on
+# the frozen starting policy (256, 1,024, 4,096 rollouts; every head; 512 held-out prompts x 20-sample Monte Carlo,
+# K = 20 so that GRPO's group of 16 is measured too), the linear read-out's ceiling and GRPO's leave-one-out mean at
+# G = 2, 4, 8, 16, each against the same Monte Carlo. The organism itself is the crossover experiment's curve.
+# spread: a task whose problems differ more in difficulty (1-5 operations, not 2-3)
+spread         curve-wide            study.pretrain_critic --model organism-wide --critics small medium large --rollouts 256 1024 4096 --measure --mc-samples 20
+# size: the same task on a smaller (0.28M) and a ~4x larger (2.4M) policy
+size           curve-small           study.pretrain_critic --model organism-small --critics small medium large --rollouts 256 1024 4096 --measure --mc-samples 20
+size           curve-large           study.pretrain_critic --model organism-large --critics small medium large --rollouts 256 1024 4096 --measure --mc-samples 20
+
 # labels: DPO's label regimes, self-labelled or gold pairs, offline or online, for the scale's steps
 labels         dpo-self-offline      dpo.py --pairs self
 labels         dpo-self-online       dpo.py --pairs self --online

@@ -30,7 +30,7 @@ import torch
 import intervals
 from plumbing.distributed import Dist, device_description, dtype_name
 from plumbing.errors import UserError
-from plumbing.models import ORGANISM
+from plumbing.models import is_organism
 from plumbing.rundir import named_path, open_nofollow, write_json_atomic
 from plumbing.runtime import notice_once
 
@@ -82,7 +82,7 @@ def describe_run(
     wrap = dict(width=BANNER_WIDTH, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
     lines = [f"== {title} ==", f"device: {dist_.device} x {dist_.world} process(es), dtype: {dtype_name(dist_.device)}"]
     lines += [textwrap.fill(f"{k}: {v}", **wrap) for k, v in extra.items()]
-    if args.model == ORGANISM and any(s.startswith("model ") for s in scaled):  # the CPU preset chose it: say so
+    if is_organism(args.model) and any(s.startswith("model ") for s in scaled):  # the CPU preset chose it: say so
         note = f"no GPU: the model organism (organism.py, arithmetic in GSM8K's format), not GSM8K; {ON_GSM8K}"
         lines.insert(1, textwrap.fill(note, **wrap))
     if scaled:

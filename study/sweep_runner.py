@@ -339,7 +339,22 @@ def command(o: Options, run: Run, smoke: dict[str, list[str]], budget: tuple[int
         if "--pairs gold" not in " ".join(run.flags):
             cmd += ["--task", "toy"]
     flags = [f.replace("{out}", str(o.out)) for f in fill(run.flags, budget, reference(o, run))]
+    if o.smoke:  # a line's own --model (another organism) gives way to --smoke's tiny one
+        flags = without_flag(flags, "--model")
     return cmd + flags + ([] if run.step else o.extra)
+
+
+def without_flag(flags: list[str], name: str) -> list[str]:
+    """flags without `name VALUE` and `name=VALUE`."""
+    out, skip = [], False
+    for f in flags:
+        if skip:
+            skip = False
+        elif f == name:
+            skip = True
+        elif not f.startswith(name + "="):
+            out.append(f)
+    return out
 
 
 def reference(o: Options, run: Run) -> Path:

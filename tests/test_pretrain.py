@@ -252,12 +252,12 @@ def pretrained(tmp_path_factory) -> Path:
     once failed there with another test's --model (a whole-suite run in a fresh clone, 2026-12-07)."""
     out = tmp_path_factory.mktemp("pretrained") / "out"
     flags = ("--rollouts", "16", "32", "--critics", "small", "--measure", "--mc-prompts", "8", "--mc-chunk", "4",
-             "--mc-samples", "2")  # fmt: skip
+             "--mc-samples", "5")  # fmt: skip
     check_ok(run_trainer("study/pretrain_critic.py", tool(out, *flags)))
     return out
 
 
-POOLED = ("--critics", "small", "--measure", "--mc-prompts", "8", "--mc-chunk", "4", "--mc-samples", "2")
+POOLED = ("--critics", "small", "--measure", "--mc-prompts", "8", "--mc-chunk", "4", "--mc-samples", "5")
 
 
 def test_pool_from_reuses_the_rollouts_and_targets_and_makes_only_the_fits(pretrained, tmp_path, monkeypatch):
@@ -319,6 +319,8 @@ def test_the_curve_holds_each_critic_and_its_g_star(pretrained):
     linear = rows.pop(("linear", None))  # the ceiling: no pretraining rollouts, fitted on held-out Monte Carlo
     assert linear["folds"] == 8 and linear["prompt"]["states"] == 8 and set(linear["penalties"]) <= {"prompt", "inside"}
     assert curve["heldout"]["prompts"] == 8 and curve["grpo_prompt_nmse"]["8"] == pytest.approx(1 / 7)
+    measured = curve["grpo_prompt_measured"]  # K = 5 measures the groups of 2 and 4 (K >= G + 1), on every prompt
+    assert set(measured) == {"2", "4"} and all(m["prompts"] == 8 for m in measured.values())
     for r in rows.values():
         p = r["prompt"]
         assert p["states"] == 8

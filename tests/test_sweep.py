@@ -185,6 +185,21 @@ def test_the_organism_study_is_the_plan_on_the_organism_two_runs_at_once_each_on
     assert sweep_runner.run_env(o)["OMP_NUM_THREADS"] == "2"  # unless the environment says otherwise
 
 
+def test_the_moves_experiments_run_each_organism_and_smoke_runs_the_tiny_model(tmp_path):
+    """spread and size: a curve per named organism (its line's --model, after the sweep's); under --smoke a line's
+    own --model gives way to the tiny one (no organism is built by a smoke run)."""
+    out = tmp_path / "out"
+    proc = sweep("--organism", "--dry-run", "--out", out, "--experiments", "spread,size")
+    check_ok(proc)
+    steps = [line for line in proc.stdout.splitlines() if "-m study.pretrain_critic" in line]
+    for name in ("organism-wide", "organism-small", "organism-large"):
+        (line,) = [x for x in steps if f"--model {name} " in x]
+        assert line.index("--model organism ") < line.index(f"--model {name} ")  # the line's own: last, so it wins
+    smoke = sweep("--smoke", "--dry-run", "--out", out, "--experiments", "spread,size")
+    check_ok(smoke)
+    assert "organism-" not in smoke.stdout and smoke.stdout.count("--model tiny") >= 3
+
+
 def test_critic_lambda_is_an_optional_arm_at_lambda_095(tmp_path):
     out = tmp_path / "out"
     default = sweep("--dry-run", "--out", out, "--seeds", "1")

@@ -1,0 +1,98 @@
+"""The report's "How the crossover moves" (study/moves.py) on known inputs: each organism's card, G* per capacity
+with its interval from the curve's nmse, GRPO's measured line, the best head, the sentence and the figure; a folder
+with only the crossover's own curve gets no section."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from plumbing import models
+from study import moves
+
+
+def row(capacity: str, rollouts: int | None, nmse: float, half: float = 0.05) -> dict:
+    return {"capacity": capacity, "rollouts": rollouts,
+            "prompt": {"nmse": nmse, "nmse_lo": nmse - half, "nmse_hi": nmse + half}}  # fmt: skip
+
+
+def write_curve(out: Path, name: str, spread: float, heads: dict[str, float], parameters: int, ops=(2, 3)) -> None:
+    rows = [row("constant", 1024, spread + 0.1), row("constant", 4096, spread), row("linear", None, spread * 0.8)]
+    for cap, nmse in heads.items():
+        rows += [row(cap, 1024, nmse + 0.2), row(cap, 4096, nmse), row(cap, 16384, nmse / 10)]  # 16384: not read
+    curve = {
+        "heldout": {
+            "prompts": 512,
+            "pass_rate": 0.3,
+            "informative_share": 0.8,
+            "mean_p_1_minus_p": 0.15,
+            "mc_samples": 20,
+        },  # fmt: skip
+        "grpo_prompt_measured": {"2": {"nmse": 0.98}, "4": {"nmse": 0.34}, "8": {"nmse": 0.15}, "16": {"nmse": 0.07}},
+        "organism": {
+            "name": name,
+            "settings": {"min_ops": ops[0], "max_ops": ops[1], "max_number": 40},
+            "report": {"parameters": parameters, "seconds": 120.0, "test_greedy": 0.45},
+        },  # fmt: skip
+        "rows": rows,
+    }
+    path = out / moves.CURVES[name]
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(curve))
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    write_curve(tmp_path, models.ORGANISM, 0.25, {"small": 0.25, "large": 0.20}, 616_896)
+    write_curve(tmp_path, "organism-small", 0.30, {"small": 0.30, "large": 0.28}, 280_192)
+    write_curve(tmp_path, "organism-large", 0.25, {"small": 0.20, "large": 0.10}, 2_413_440)
+    write_curve(tmp_path, "organism-wide", 0.60, {"small": 0.125, "large": 0.15}, 616_896, ops=(1, 5))
+    return tmp_path
+
+
+def test_the_tables_read_g_star_at_4096_rollouts_with_its_interval(folder):
+    organisms = moves.read_organisms(folder)
+    assert list(organisms) == list(moves.CURVES)  # the organism first, then the others, in the tables' order
+    table = "\n".join(moves.g_star_table(organisms))
+    # organism-large's large head: nmse 0.10 [0.05, 0.15] -> G* = 11.0 [7.7, 21.0]; the 16,384 row is not read
+    (large,) = [line for line in table.splitlines() if line.startswith("| organism-large ")]
+    cells = [c.strip() for c in large.strip("|").split("|")]
+    assert cells[3] == "11.0 [7.7, 21.0]" and cells[1] == "5.0 [4.3, 6.0]"  # the large head; the constant 0.25
+    assert cells[-1] == "0.980 / 0.340 / 0.150 / 0.070"
+    cards = "\n".join(moves.card_table(organisms))
+    assert "| organism-wide | 616,896 | 1-5, numbers 0-40 | 2.0 min | 0.450 |" in cards
+    assert "0.600 [0.550, 0.650]" in cards  # the spread: the constant's nmse at the prompt at 4,096 rollouts
+
+
+def test_the_best_head_and_the_sentence(folder):
+    organisms = moves.read_organisms(folder)
+    assert moves.best_head(organisms["organism-wide"]) == "small" and moves.best_head(organisms["organism"]) == "large"
+    size, spread = moves.moves_sentence(organisms)
+    assert size.index("0.28M (organism-small") < size.index("0.62M (organism,") < size.index("2.41M (organism-large")
+    assert "G* 11.0 [7.7, 21.0] at 2.41M" in size
+    assert "G* 9.0 [6.7, 14.3] on organism-wide (spread 0.600 [0.550, 0.650], critic small)" in spread
+
+
+def test_the_section_and_its_figure_and_none_without_the_other_organisms(folder, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = tmp_path / "report"
+    report.mkdir()
+    lines = moves.section(folder, plt, report)
+    assert lines[1] == "## How the crossover moves" and (report / moves.FIGURE).stat().st_size > 10_000
+    assert moves.section(folder, None, report)[-1].startswith("**Against the task's spread**")
+    alone = tmp_path / "alone"
+    write_curve(alone, models.ORGANISM, 0.25, {"small": 0.25}, 616_896)
+    assert moves.section(alone, plt, report) == []  # the crossover's own curve: its section, not this one
+
+
+def test_a_curve_without_a_card_of_its_own_reads_the_shipped_build(folder):
+    curve = json.loads((folder / moves.CURVES[models.ORGANISM]).read_text())
+    del curve["organism"]  # the crossover's curve, made before curves carried the card
+    shipped = json.loads((models.SHIPPED_ORGANISM / models.ORGANISM_RECORD).read_text())["report"]
+    assert moves.card(models.ORGANISM, curve)["parameters"] == shipped["parameters"] == 616_896
