@@ -94,11 +94,36 @@ def packaged_gguf_path() -> Path:
     return path
 
 
+def _gguf_key(gguf: Path) -> str:
+    """The cache's name for one GGUF file: its path, size and time, hashed."""
+    st = gguf.stat()
+    return hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+
+
+def _tokenizer_cache(gguf: Path) -> Path:
+    """A GGUF's tokenizer alone, saved once (a second or two): what the tiny models read, whose weights are random
+    from a config. The whole conversion (_dequantised_cache: ~20 s of dequantising SmolLM2's weights) holds the same
+    tokenizer; a test run on a fresh machine need not make it."""
+    out = cache_root() / f"{gguf.stem}-tokenizer-{_gguf_key(gguf)}"
+    if (out / "tokenizer_config.json").is_file():
+        return out
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _set_pad_token(tok)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def _dequantised_cache(gguf: Path) -> Path:
     """Load a GGUF once, save the dequantised weights and tokenizer as safetensors; later loads take seconds."""
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    out = cache_root() / f"{gguf.stem}-{key}"
+    out = cache_root() / f"{gguf.stem}-{_gguf_key(gguf)}"
     if (out / "config.json").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -151,8 +176,10 @@ def resolve_model(name: str) -> Path | str:
     for; an owner/name that is no folder here is a hub id."""
     if name in ORGANISMS:
         return organism_folder(name) / "model"
-    if name in (PACKAGED_MODEL, TINY_MODEL, TINY_QWEN2):
+    if name == PACKAGED_MODEL:
         return _dequantised_cache(packaged_gguf_path())
+    if name in (TINY_MODEL, TINY_QWEN2):  # random weights from a config: the packaged tokenizer alone
+        return _tokenizer_cache(packaged_gguf_path())
     if name in SHORT_NAMES:
         return SHORT_NAMES[name]
     path = Path(name).expanduser()
@@ -280,6 +307,8 @@ def why_not_shipped(name: str = ORGANISM) -> str | None:
     organism, or None when it is: made by this organism.py (its record's script_sha256), of ORGANISM_SEED, with no
     other flags, its files as recorded. organism.py reads its defaults itself, so a changed default is a changed
     script."""
+    if name != ORGANISM:
+        return f"the repository ships {ORGANISM} alone"
     if not SHIPPED_ORGANISM.is_dir():
         return f"{SHIPPED_ORGANISM.name}/ is not in this checkout"
     if flags := organism_flags(name):

@@ -34,6 +34,7 @@ LAYERS = [
     ["measure", "study.sweep_help"],
     ["ppo", "grpo", "dpo", "organism", "study.read_runs", "study.sweep_runner", "study.pretrain_critic"],
     ["study.preflight", "study.plots", "study.estimate", "study.crossover"],
+    ["study.moves"],
     ["study.report"],
     ["report"],
 ]

@@ -429,11 +429,11 @@ def test_organism_info_is_read_once_per_folder(tmp_path, monkeypatch):
         folder.mkdir()
         (folder / "organism.json").write_text(json.dumps({"settings": {"seed": i}}))
     monkeypatch.setattr(models, "_ORGANISM_INFO", {})
-    monkeypatch.setattr(models, "organism_folder", lambda: folders[0])
+    monkeypatch.setattr(models, "organism_folder", lambda name=models.ORGANISM: folders[0])
     info = models.organism_info()
     (folders[0] / "organism.json").write_text("{}")  # not read again
     assert models.organism_info() is info and info == {"settings": {"seed": 0}}
-    monkeypatch.setattr(models, "organism_folder", lambda: folders[1])
+    monkeypatch.setattr(models, "organism_folder", lambda name=models.ORGANISM: folders[1])
     assert models.organism_info() == {"settings": {"seed": 1}}
 
 

@@ -39,7 +39,7 @@ def test_each_name_has_its_own_recipe_and_cache_folder():
         assert models.organism_flags(name)[-len(models.ORGANISMS[name]) or None :] == list(models.ORGANISMS[name])
     assert models.why_not_shipped(models.ORGANISM) is None  # only the organism is the shipped build
     for name in BUILT:
-        assert "built without organism.py's flags" in models.why_not_shipped(name)
+        assert models.why_not_shipped(name) == "the repository ships organism alone"
     assert not models.is_organism("organism-huge") and not models.is_organism("tiny")
 
 
