@@ -106,9 +106,9 @@ def smoke_sweep(tmp_path_factory):
 # out because another test in it covers the same path: one stop-signal place of five, one trainer of three, one
 # critic of five in each kind of end-to-end test stays in. The full suite (CI) runs them all.
 SLOW_TOO = {
-    "test_faults.py::test_a_damaged_tokenizer_cache_is_named_moved_aside_and_rebuilt": "a real GGUF conversion, 27 s",
+    "test_faults.py::test_a_damaged_tokenizer_cache_is_named_moved_aside_and_rebuilt": "a tokenizer cache built twice, 7 s",
     "test_preflight.py::test_the_toy_task_passes_the_preflight_and_writes_its_json": "trainer subprocesses, 11 s",
-    "test_generation.py::test_greedy_matches_transformers_generate_smollm2": "the packaged model, 10 s",
+    "test_generation.py::test_greedy_matches_transformers_generate_smollm2": "the packaged model dequantised on a fresh cache, 20-30 s",
     "test_preflight.py::test_gsm8k_on_the_tiny_model_is_refused_and_a_sweep_stops_before_any_run_folder_exists": "9 s",
     "test_preflight.py::test_a_model_that_cannot_be_fetched_is_one_error_line": "7 s; test_offline.py's trainer stays",
     "test_checkpoint.py::test_a_damaged_checkpoint_is_refused_and_left_in_place[garbled manifest]": "6 s",

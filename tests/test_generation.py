@@ -99,7 +99,6 @@ def test_greedy_matches_transformers_generate(tiny_lm, tok, prompts):
 
 
 @pytest.mark.packaged
-@pytest.mark.slow  # the packaged weights: a fresh machine dequantises them first (~20 s), which the fast lane skips
 def test_greedy_matches_transformers_generate_smollm2():
     tok = models.load_tokenizer("smollm2")
     lm = models.load_model("smollm2", tok).eval()
