@@ -9,8 +9,11 @@ between-prompt variance of the success rate over E[p(1-p)]), the table of G* per
 pretraining size with its interval, GRPO's leave-one-out mean measured at each G, the sentence that says which way
 the crossover moves, and its figure (moves.png: G* against parameters, and against the spread). A folder without
 these curves gets no section, so an older sweep's report reads as it did.
+Also the head-to-head where G* was measured (the spread and size experiments' runs, H2H): GRPO at the two group
+sizes either side of G*, PPO with the best pretrained head at both prices; their accuracy at matched compute, each
+against both of GRPO's G on the same test problems.
 Does not hold: the measurement (pretrain_critic.py, measure.py), reading a curve and G*'s arithmetic (crossover.py,
-intervals.py), the head-to-head runs' tables (report.py, crossover.py).
+intervals.py), reading and pooling the runs and the paired differences' arithmetic (read_runs.py, report.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 from plumbing import errors, models
 from study.crossover import COLOURS, GROUP_COLOURS, GROUPS, critics_of, g_star, part_of, read_curve, table
-from study.read_runs import finite, fmt_num
+from study.read_runs import finite, fmt_interval, fmt_num, fmt_pct, fmt_signed_interval, fmt_tokens, mean
 
 # each organism's curve in a sweep's folder, in the order of the tables (the organism first: the crossover's own)
 CURVES = {
@@ -34,6 +37,13 @@ CURVES = {
 SAME_TASK = (models.ORGANISM, "organism-small", "organism-large")  # the size axis: one task, three policies
 ROLLOUTS = 4096  # the pretraining size G* is read at: every curve has it, and the crossover's PPO runs use it
 FIGURE = "moves.png"
+# experiment -> (its organism, GRPO's runs at the two G either side of the measured G*: the smaller first; the larger's
+# tokens are the PPO runs' budget, sweep.sh's --budget-from)
+H2H = {
+    "spread": ("organism-wide", ("grpo-group-g2", "grpo-group-g4")),
+    "size": ("organism-large", ("grpo-group-g4", "grpo-group")),
+}
+Paired = dict[str, dict[tuple[str, str], tuple]]  # reference run -> (experiment, run) -> report.paired_vs_grpo's tuple
 
 
 # ======================================================================================================
@@ -165,8 +175,17 @@ def has_parts(out: Path) -> bool:
     return any((out / rel).is_file() for name, rel in CURVES.items() if name != models.ORGANISM)
 
 
-def section(out: Path, plt: Any, report_dir: Path, note: str = "") -> list[str]:
-    """report.md's "How the crossover moves", and its figure into report_dir (plt None: none); [] without its parts."""
+def section(
+    out: Path,
+    plt: Any,
+    report_dir: Path,
+    note: str = "",
+    summary: list[dict[str, Any]] | None = None,
+    runs: list[dict[str, Any]] | None = None,
+    paired: Paired | None = None,
+) -> list[str]:
+    """report.md's "How the crossover moves", and its figure into report_dir (plt None: none); [] without its parts.
+    summary, runs and paired (report.py's, paired against each of H2H's GRPO runs) give its head-to-head table."""
     if not has_parts(out):
         return []
     lines = ["", "## How the crossover moves", ""]
@@ -196,7 +215,52 @@ def section(out: Path, plt: Any, report_dir: Path, note: str = "") -> list[str]:
     if plt is not None and len(organisms) >= 2:
         plot_moves(plt, organisms, report_dir / FIGURE, note)
         lines += ["", f"![{FIGURE}]({FIGURE})", "", figure_caption()]
+    if acc := accuracy_table(summary or [], runs or [], paired or {}):
+        lines += [
+            "",
+            "### Accuracy at matched compute, where G* was measured",
+            "",
+            "On each organism, GRPO at the two group sizes either side of its G* (batch x G = 256 completions a step, "
+            "50 steps) and PPO with its best head pretrained on 4,096 rollouts (the lowest nmse at the prompt above) "
+            "at the tokens of the same seed's GRPO run at the larger G; amortised: the pretraining free, paid: its "
+            "tokens out of the budget. vs the smaller / larger G: the paired difference in test accuracy from that "
+            "GRPO run on the same test problems, the t interval over the per-seed differences (as the Results "
+            "table). A critic with G* between the two G should beat the smaller and lose to the larger, if the "
+            "baseline's error at the prompt is what decides.",
+            "",
+            *acc,
+        ]
     return lines
+
+
+def accuracy_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]], paired: Paired) -> list[str]:
+    """The head-to-head's runs at matched compute, per organism: GRPO at each G, then PPO per price; test accuracy
+    over seeds, its paired difference from GRPO at each of the two G (paired: report.paired_vs_grpo against each
+    reference run), the baseline's nmse at the prompt measured in training, the training and pretraining tokens."""
+    rows = []
+    for experiment, (organism, refs) in H2H.items():
+        mine = [r for r in runs if r["experiment"] == experiment]
+        pre = {r["run"]: [] for r in mine}
+        for r in mine:
+            if finite((r.get("critic_init") or {}).get("tokens")):
+                pre[r["run"]].append(float(r["critic_init"]["tokens"]))
+        group_of = {r["run"]: r["args"].get("group_size") for r in mine if r["method"] == "grpo"}
+        for s in sorted((s for s in summary if s["experiment"] == experiment and s["run"] in pre),
+                        key=lambda s: (s["method"] != "grpo", group_of.get(s["run"]) or 0, s["run"])):  # fmt: skip
+            price = ("paid" if s["run"].endswith("-paid") else "amortised") if pre[s["run"]] else "-"
+            what = f"G = {group_of[s['run']]}" if s["run"] in group_of else f"critic {s['variant'].split('-')[0]}"
+            low, high = s["interval_low"], s["interval_high"]
+            acc = fmt_pct(s["test_accuracy"]) + (f" [{fmt_pct(low)}, {fmt_pct(high)}]" if finite(low) else " [n/a]")
+            vs = [paired.get(ref, {}).get((experiment, s["run"])) for ref in refs]
+            rows.append([
+                organism, s["run"], what, price, str(s["seeds"]), acc,
+                *(fmt_signed_interval(*v[:3]) if v else "-" for v in vs),
+                fmt_interval(s["nmse_prompt"], s["nmse_prompt_low"], s["nmse_prompt_high"]),
+                fmt_tokens(s["generated_tokens"]), fmt_tokens(mean(pre[s["run"]])) if pre[s["run"]] else "-",
+            ])  # fmt: skip
+    head = ["organism", "run", "G / critic", "price", "seeds", "test acc. % [95%]", "vs the smaller G, points [95%]",
+            "vs the larger G, points [95%]", "nmse at prompt [95%]", "training tokens", "pretraining tokens"]  # fmt: skip
+    return table(head, rows) if rows else []
 
 
 def figure_caption() -> str:

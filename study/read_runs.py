@@ -25,7 +25,7 @@ EXPERIMENTS = ("critic", "h2h", "labels", "crossover")
 STUDY_GROUP = cmdline.trainer_default("grpo.py", "group_size")
 # the experiments whose GRPO runs differ in G by design: a run there not at the study's G carries its G in its name
 # (grpo-group-g4), the one at the study's G keeps the name every comparison reads (grpo-group: "vs GRPO")
-GROUP_AXIS = ("crossover",)
+GROUP_AXIS = ("crossover", "spread", "size")
 VARIANT_ORDER = [
     "ppo-none",
     "ppo-small",

@@ -96,3 +96,62 @@ def test_a_curve_without_a_card_of_its_own_reads_the_shipped_build(folder):
     del curve["organism"]  # the crossover's curve, made before curves carried the card
     shipped = json.loads((models.SHIPPED_ORGANISM / models.ORGANISM_RECORD).read_text())["report"]
     assert moves.card(models.ORGANISM, curve)["parameters"] == shipped["parameters"] == 616_896
+
+
+def summary_row(experiment: str, run: str, method: str, acc: float, tokens: int) -> dict:
+    nan = float("nan")
+    return {"experiment": experiment, "run": run, "method": method, "variant": run.split("-", 1)[1], "seeds": 3,
+            "test_accuracy": acc, "interval_low": acc - 0.01, "interval_high": acc + 0.01, "nmse_prompt": 0.3,
+            "nmse_prompt_low": 0.25, "nmse_prompt_high": 0.35, "generated_tokens": tokens, "vs_grpo": nan}  # fmt: skip
+
+
+def test_the_head_to_head_table_reads_each_run_against_both_group_sizes():
+    """GRPO by G, then PPO amortised and paid; each row's paired difference from GRPO at the smaller and the larger G
+    (report.paired_vs_grpo's tuple against each of H2H's references); the pretraining tokens only where a critic was
+    pretrained; another experiment's runs and the size experiment's, not run, are not in it."""
+    small_g, large_g = moves.H2H["spread"][1]
+    assert (small_g, large_g) == ("grpo-group-g2", "grpo-group-g4")
+    runs = [
+        {"experiment": "spread", "run": large_g, "method": "grpo", "args": {"group_size": 4}},
+        {"experiment": "spread", "run": small_g, "method": "grpo", "args": {"group_size": 2}},
+        {
+            "experiment": "spread",
+            "run": "ppo-large-n4096-paid",
+            "method": "ppo",
+            "args": {},
+            "critic_init": {"tokens": 150_000, "paid": True},
+        },  # fmt: skip
+        {
+            "experiment": "spread",
+            "run": "ppo-large-n4096-amortised",
+            "method": "ppo",
+            "args": {},
+            "critic_init": {"tokens": 150_000, "paid": False},
+        },  # fmt: skip
+        {"experiment": "crossover", "run": "grpo-group", "method": "grpo", "args": {"group_size": 8}},
+    ]
+    summary = [
+        summary_row("spread", "ppo-large-n4096-paid", "ppo", 0.50, 480_000),
+        summary_row("spread", large_g, "grpo", 0.52, 480_000),
+        summary_row("spread", "ppo-large-n4096-amortised", "ppo", 0.55, 480_000),
+        summary_row("spread", small_g, "grpo", 0.48, 470_000),
+        summary_row("crossover", "grpo-group", "grpo", 0.60, 480_000),
+    ]
+    paired = {
+        small_g: {("spread", "ppo-large-n4096-amortised"): (0.07, 0.02, 0.12, 1000.0, 3.0)},
+        large_g: {
+            ("spread", "ppo-large-n4096-amortised"): (0.03, -0.01, 0.07, 1000.0, 3.0),
+            ("spread", small_g): (-0.04, -0.08, 0.0, 1000.0, 3.0),
+        },  # fmt: skip
+    }
+    lines = moves.accuracy_table(summary, runs, paired)
+    body = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [r[1] for r in body] == [small_g, large_g, "ppo-large-n4096-amortised", "ppo-large-n4096-paid"]
+    assert [r[2] for r in body] == ["G = 2", "G = 4", "critic large", "critic large"]
+    assert [r[3] for r in body] == ["-", "-", "amortised", "paid"]
+    amortised = body[2]
+    assert amortised[0] == "organism-wide" and amortised[5] == "55.0 [54.0, 56.0]"
+    assert amortised[6:8] == ["+7.0 [+2.0, +12.0]", "+3.0 [-1.0, +7.0]"]  # vs G = 2, vs G = 4
+    assert body[0][6:8] == ["-", "-4.0 [-8.0, +0.0]"] and body[3][6:8] == ["-", "-"]  # no pair: no difference
+    assert [r[-1] for r in body] == ["-", "-", "150k", "150k"] and body[0][-2] == "470k"
+    assert moves.accuracy_table(summary, runs[-1:], paired) == []  # no run of the head-to-head: no table

@@ -195,6 +195,27 @@ def test_the_moves_experiments_run_each_organism_and_smoke_runs_the_tiny_model(t
     for name in ("organism-wide", "organism-small", "organism-large"):
         (line,) = [x for x in steps if f"--model {name} " in x]
         assert line.index("--model organism ") < line.index(f"--model {name} ")  # the line's own: last, so it wins
+    # the head-to-head where G* was measured: GRPO at two G (batch x G = 256), PPO with the organism's own curve's
+    # critic at both prices, at the tokens of the same seed's GRPO run at the larger G
+    runs = [line for line in proc.stdout.splitlines() if ".py --run-dir " in line]
+    for experiment, organism, groups, critic, budget in [
+        ("spread", "organism-wide", (2, 4), "large", "grpo-group-g4"),
+        ("size", "organism-large", (4, 8), "small", "grpo-group"),
+    ]:
+        mine = [x for x in runs if f"--run-dir {out}/{experiment}/" in x]
+        assert len(mine) == 3 * 4 and all(f"--model {organism} " in x for x in mine)
+        for g in groups:
+            assert sum(f"--group-size {g} --batch-size {256 // g} " in x for x in mine) == 3
+        ppo = [x for x in mine if x.startswith(".venv/bin/python ppo.py") or " ppo.py " in x]
+        assert len(ppo) == 6 and sum("--count-critic-init-tokens" in x for x in ppo) == 3
+        init = (
+            f"--critic {critic} --critic-init {out}/{experiment}/curve-{organism.split('-')[1]}/critic-{critic}-n4096"
+        )
+        assert all(init in x for x in ppo)
+        for seed in (1, 2, 3):
+            assert all(
+                f"<generated_tokens of {out}/{experiment}/{budget}-s{seed}>" in x for x in ppo if f"-s{seed} " in x
+            )
     smoke = sweep("--smoke", "--dry-run", "--out", out, "--experiments", "spread,size")
     check_ok(smoke)
     assert "organism-" not in smoke.stdout and smoke.stdout.count("--model tiny") >= 3
