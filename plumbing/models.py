@@ -593,11 +593,19 @@ def device_memory_bytes(device: torch.device) -> int:
 PROMPT_TOKENS = 256  # a generous GSM8K chat prompt, for the memory estimate only
 
 
-_MEMORY_CHECKED: tuple[str, torch.device, dict[str, tuple[int, int]]] | None = None  # for the recheck
+_MEMORY_CHECKED: tuple[str, torch.device, dict[str, tuple[int, int]]] | None = None  # this run's, for the recheck
+
+
+def forget_memory_check() -> None:
+    """A new run in this process (runtime.begin_run): the last run's check is not this one's to recheck (a run that
+    made none, study/pretrain_critic.py, rechecked another run's --model, in-process, 2026-12-07)."""
+    global _MEMORY_CHECKED
+    _MEMORY_CHECKED = None
 
 
 def recheck_generation_memory(prompt_tokens: int) -> None:
-    """check_generation_memory again, as last called, with the data's longest prompt (gsm8k.check_prompt_lengths)."""
+    """check_generation_memory again, as this run last called it, with the data's longest prompt
+    (gsm8k.check_prompt_lengths); nothing where this run made no check."""
     if _MEMORY_CHECKED is not None:
         check_generation_memory(*_MEMORY_CHECKED, prompt_tokens=max(prompt_tokens, PROMPT_TOKENS))
 

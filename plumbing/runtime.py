@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from plumbing import cmdline, rundir
+from plumbing import cmdline, models, rundir
 from plumbing.distributed import all_ok, all_reduce_sum, world_size
 from plumbing.errors import (
     EXIT_INTERRUPTED,
@@ -66,9 +66,10 @@ RUN = RunState()
 
 def begin_run() -> None:
     """A new run in this process: an earlier run's lock released, everything it left (notices said, a stop signal,
-    the rollout record) forgotten. run_main calls it first."""
+    the rollout record, its memory check) forgotten. run_main calls it first."""
     release_run_lock()
     vars(RUN).update(vars(RunState()))
+    models.forget_memory_check()
 
 
 def lock_run_dir(run_dir: Path) -> None:

@@ -74,3 +74,16 @@ def test_every_reader_of_the_smoke_sweep_is_in_test_sweep_py(request):
     readers = [item.nodeid for item in request.session.items if "smoke_sweep" in getattr(item, "fixturenames", ())]
     assert "tests/test_sweep.py" in ONE_WORKER
     assert all(nodeid.startswith("tests/test_sweep.py::") for nodeid in readers), readers
+
+
+def test_a_runs_memory_check_is_not_the_next_runs(tmp_path):
+    """A run refused for its --model (its memory check made, with that model) and then, in the same process, a run
+    that makes no memory check of its own (study/pretrain_critic.py): the second must not recheck the first's model.
+    It did, and failed with 'unknown model' (test_pretrain's module fixture in a whole-suite run, 2026-12-07)."""
+    from plumbing import models
+
+    refused = run_here("grpo.py", cli(tmp_path / "run", model="no-such-model"))
+    assert refused.returncode == 2 and "unknown model 'no-such-model'" in refused.stderr
+    runtime.begin_run()  # what run_main does first
+    assert models._MEMORY_CHECKED is None
+    models.recheck_generation_memory(512)  # nothing to recheck: no error

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, check_ok, check_one_error_line, cli, run_here, run_trainer, step_rows
+from helpers import REPO, check_ok, check_one_error_line, cli, run_here, step_rows
 
 import critics
 from critics import build_critic
@@ -248,12 +248,12 @@ def test_a_folder_of_other_settings_is_refused(tmp_path):
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory) -> Path:
     """A small critic pretrained on 32 rollouts of the tiny model (seed 1), and the held-out curve beside it. Made in
-    a fresh process: a module fixture is made after whatever tests its worker ran before, and an in-process run
-    once failed there with another test's --model (a whole-suite run in a fresh clone, 2026-12-07)."""
+    this process, after whatever tests its worker ran before: a run leaves nothing to the next
+    (test_in_process.py's test_a_runs_memory_check_is_not_the_next_runs)."""
     out = tmp_path_factory.mktemp("pretrained") / "out"
     flags = ("--rollouts", "16", "32", "--critics", "small", "--measure", "--mc-prompts", "8", "--mc-chunk", "4",
              "--mc-samples", "5")  # fmt: skip
-    check_ok(run_trainer("study/pretrain_critic.py", tool(out, *flags)))
+    check_ok(run_here(TOOL, tool(out, *flags)))
     return out
 
 
