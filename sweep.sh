@@ -101,15 +101,17 @@ size           curve-small           study.pretrain_critic --model organism-smal
 size           curve-large           study.pretrain_critic --model organism-large --critics small medium large --rollouts 256 1024 4096 --measure --mc-samples 20
 # the head-to-head where G* was measured (2026-12-07; docs/organism: G* 3.4 on organism-wide, 5.6 on organism-large):
 # GRPO at the two group sizes either side of it (batch x G = 256 completions a step, 50 steps, as the crossover's),
-# and PPO with the best head pretrained on 4,096 rollouts, amortised and paid, at the tokens of the same seed's GRPO
-# run at the larger G. 3 seeds: organism-wide 12 runs (~75 min on 2 idle cores), organism-large 12 runs of a policy
-# 4x the organism's (~3 h: the next session's)
+# and PPO with the best head pretrained on 4,096 rollouts, amortised and paid, and without a critic (the control), at
+# the tokens of the same seed's GRPO run at the larger G. 3 seeds: organism-wide 15 runs (~75 min on 2 idle cores:
+# GRPO ~8.5 min a run, PPO ~9.5 amortised and ~6.5 paid), organism-large 15 runs of a policy 3.9x the organism's (~3 h)
 spread         grpo-group-g2         grpo.py --model organism-wide --group-size 2 --batch-size 128 --total-steps 50
 spread         grpo-group-g4         grpo.py --model organism-wide --group-size 4 --batch-size 64 --total-steps 50
+spread         ppo-none              ppo.py --model organism-wide --critic none --token-budget {tokens} --total-steps {10*steps}
 spread         ppo-large-n4096-amortised  ppo.py --model organism-wide --critic large --critic-init {out}/spread/curve-wide/critic-large-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 spread         ppo-large-n4096-paid       ppo.py --model organism-wide --critic large --critic-init {out}/spread/curve-wide/critic-large-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 size           grpo-group-g4         grpo.py --model organism-large --group-size 4 --batch-size 64 --total-steps 50
 size           grpo-group            grpo.py --model organism-large --group-size 8 --batch-size 32 --total-steps 50
+size           ppo-none              ppo.py --model organism-large --critic none --token-budget {tokens} --total-steps {10*steps}
 size           ppo-small-n4096-amortised  ppo.py --model organism-large --critic small --critic-init {out}/size/curve-large/critic-small-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 size           ppo-small-n4096-paid       ppo.py --model organism-large --critic small --critic-init {out}/size/curve-large/critic-small-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 

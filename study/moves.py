@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from plumbing import errors, models
-from study.crossover import COLOURS, GROUP_COLOURS, GROUPS, critics_of, g_star, part_of, read_curve, table
+from study.crossover import COLOURS, CONTROL, GROUP_COLOURS, GROUPS, critics_of, g_star, part_of, read_curve, table
 from study.read_runs import finite, fmt_interval, fmt_num, fmt_pct, fmt_signed_interval, fmt_tokens, mean
 
 # each organism's curve in a sweep's folder, in the order of the tables (the organism first: the crossover's own)
@@ -225,8 +225,9 @@ def section(
             "at the tokens of the same seed's GRPO run at the larger G; amortised: the pretraining free, paid: its "
             "tokens out of the budget. vs the smaller / larger G: the paired difference in test accuracy from that "
             "GRPO run on the same test problems, the t interval over the per-seed differences (as the Results "
-            "table). A critic with G* between the two G should beat the smaller and lose to the larger, if the "
-            "baseline's error at the prompt is what decides.",
+            "table); vs PPO without a critic: the same from the control (PPO whose baseline is the batch's mean "
+            "reward, at the same budget), what the pretrained critic adds to PPO. A critic with G* between the two G "
+            "should beat the smaller and lose to the larger, if the baseline's error at the prompt is what decides.",
             "",
             *acc,
         ]
@@ -235,8 +236,9 @@ def section(
 
 def accuracy_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]], paired: Paired) -> list[str]:
     """The head-to-head's runs at matched compute, per organism: GRPO at each G, then PPO per price; test accuracy
-    over seeds, its paired difference from GRPO at each of the two G (paired: report.paired_vs_grpo against each
-    reference run), the baseline's nmse at the prompt measured in training, the training and pretraining tokens."""
+    over seeds, its paired difference from GRPO at each of the two G and, for a pretrained critic, from PPO without
+    one (CONTROL) (paired: report.paired_vs_grpo against each reference run), the baseline's nmse at the prompt
+    measured in training, the training and pretraining tokens."""
     rows = []
     for experiment, (organism, refs) in H2H.items():
         mine = [r for r in runs if r["experiment"] == experiment]
@@ -246,12 +248,14 @@ def accuracy_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]], pa
                 pre[r["run"]].append(float(r["critic_init"]["tokens"]))
         group_of = {r["run"]: r["args"].get("group_size") for r in mine if r["method"] == "grpo"}
         for s in sorted((s for s in summary if s["experiment"] == experiment and s["run"] in pre),
-                        key=lambda s: (s["method"] != "grpo", group_of.get(s["run"]) or 0, s["run"])):  # fmt: skip
+                        key=lambda s: (s["method"] != "grpo", s["run"] != CONTROL, group_of.get(s["run"]) or 0, s["run"])):  # fmt: skip
             price = ("paid" if s["run"].endswith("-paid") else "amortised") if pre[s["run"]] else "-"
             what = f"G = {group_of[s['run']]}" if s["run"] in group_of else f"critic {s['variant'].split('-')[0]}"
+            what = "no critic" if s["run"] == CONTROL else what
             low, high = s["interval_low"], s["interval_high"]
             acc = fmt_pct(s["test_accuracy"]) + (f" [{fmt_pct(low)}, {fmt_pct(high)}]" if finite(low) else " [n/a]")
             vs = [paired.get(ref, {}).get((experiment, s["run"])) for ref in refs]
+            vs.append(paired.get(CONTROL, {}).get((experiment, s["run"])) if pre[s["run"]] else None)
             rows.append([
                 organism, s["run"], what, price, str(s["seeds"]), acc,
                 *(fmt_signed_interval(*v[:3]) if v else "-" for v in vs),
@@ -259,7 +263,8 @@ def accuracy_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]], pa
                 fmt_tokens(s["generated_tokens"]), fmt_tokens(mean(pre[s["run"]])) if pre[s["run"]] else "-",
             ])  # fmt: skip
     head = ["organism", "run", "G / critic", "price", "seeds", "test acc. % [95%]", "vs the smaller G, points [95%]",
-            "vs the larger G, points [95%]", "nmse at prompt [95%]", "training tokens", "pretraining tokens"]  # fmt: skip
+            "vs the larger G, points [95%]", f"vs PPO without a critic ({CONTROL}), points [95%]",
+            "nmse at prompt [95%]", "training tokens", "pretraining tokens"]  # fmt: skip
     return table(head, rows) if rows else []
 
 

@@ -577,7 +577,9 @@ def write_report(out: Path, report_dir: Path) -> Path:
     lines += [compute_table(summary), ""]
     control = paired_vs_grpo(runs, crossover.CONTROL)  # the crossover's critics against PPO without one
     lines += crossover.section(out, summary, runs, plt, report_dir, toy_reason(runs, out), control)  # [] without it
-    paired = {ref: paired_vs_grpo(runs, ref) for _, refs in moves.H2H.values() for ref in refs}
+    paired = {ref: paired_vs_grpo(runs, ref) for _, refs in moves.H2H.values() for ref in refs} | {
+        crossover.CONTROL: control
+    }
     lines += moves.section(out, plt, report_dir, toy_reason(runs, out), summary, runs, paired)  # [] without them
     problems = damaged + missing_runs(out, runs)
     if problems:

@@ -128,6 +128,7 @@ def test_the_head_to_head_table_reads_each_run_against_both_group_sizes():
             "args": {},
             "critic_init": {"tokens": 150_000, "paid": False},
         },  # fmt: skip
+        {"experiment": "spread", "run": "ppo-none", "method": "ppo", "args": {}},
         {"experiment": "crossover", "run": "grpo-group", "method": "grpo", "args": {"group_size": 8}},
     ]
     summary = [
@@ -135,6 +136,7 @@ def test_the_head_to_head_table_reads_each_run_against_both_group_sizes():
         summary_row("spread", large_g, "grpo", 0.52, 480_000),
         summary_row("spread", "ppo-large-n4096-amortised", "ppo", 0.55, 480_000),
         summary_row("spread", small_g, "grpo", 0.48, 470_000),
+        summary_row("spread", "ppo-none", "ppo", 0.53, 480_000),
         summary_row("crossover", "grpo-group", "grpo", 0.60, 480_000),
     ]
     paired = {
@@ -142,16 +144,23 @@ def test_the_head_to_head_table_reads_each_run_against_both_group_sizes():
         large_g: {
             ("spread", "ppo-large-n4096-amortised"): (0.03, -0.01, 0.07, 1000.0, 3.0),
             ("spread", small_g): (-0.04, -0.08, 0.0, 1000.0, 3.0),
-        },  # fmt: skip
+        },
+        "ppo-none": {
+            ("spread", "ppo-large-n4096-amortised"): (0.02, -0.02, 0.06, 1000.0, 3.0),
+            ("spread", small_g): (-0.05, -0.09, -0.01, 1000.0, 3.0),
+        },
     }
     lines = moves.accuracy_table(summary, runs, paired)
     body = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    assert [r[1] for r in body] == [small_g, large_g, "ppo-large-n4096-amortised", "ppo-large-n4096-paid"]
-    assert [r[2] for r in body] == ["G = 2", "G = 4", "critic large", "critic large"]
-    assert [r[3] for r in body] == ["-", "-", "amortised", "paid"]
-    amortised = body[2]
+    order = [small_g, large_g, "ppo-none", "ppo-large-n4096-amortised", "ppo-large-n4096-paid"]
+    assert [r[1] for r in body] == order  # GRPO by G, the control, the critics
+    assert [r[2] for r in body] == ["G = 2", "G = 4", "no critic", "critic large", "critic large"]
+    assert [r[3] for r in body] == ["-", "-", "-", "amortised", "paid"]
+    amortised = body[3]
     assert amortised[0] == "organism-wide" and amortised[5] == "55.0 [54.0, 56.0]"
-    assert amortised[6:8] == ["+7.0 [+2.0, +12.0]", "+3.0 [-1.0, +7.0]"]  # vs G = 2, vs G = 4
-    assert body[0][6:8] == ["-", "-4.0 [-8.0, +0.0]"] and body[3][6:8] == ["-", "-"]  # no pair: no difference
-    assert [r[-1] for r in body] == ["-", "-", "150k", "150k"] and body[0][-2] == "470k"
+    # vs G = 2, vs G = 4, vs PPO without a critic
+    assert amortised[6:9] == ["+7.0 [+2.0, +12.0]", "+3.0 [-1.0, +7.0]", "+2.0 [-2.0, +6.0]"]
+    assert body[0][6:9] == ["-", "-4.0 [-8.0, +0.0]", "-"]  # GRPO against the control: not a critic's difference
+    assert body[4][6:9] == ["-", "-", "-"]  # no pair: no difference
+    assert [r[-1] for r in body] == ["-", "-", "-", "150k", "150k"] and body[0][-2] == "470k"
     assert moves.accuracy_table(summary, runs[-1:], paired) == []  # no run of the head-to-head: no table

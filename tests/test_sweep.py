@@ -203,15 +203,15 @@ def test_the_moves_experiments_run_each_organism_and_smoke_runs_the_tiny_model(t
         ("size", "organism-large", (4, 8), "small", "grpo-group"),
     ]:
         mine = [x for x in runs if f"--run-dir {out}/{experiment}/" in x]
-        assert len(mine) == 3 * 4 and all(f"--model {organism} " in x for x in mine)
+        assert len(mine) == 3 * 5 and all(f"--model {organism} " in x for x in mine)
         for g in groups:
             assert sum(f"--group-size {g} --batch-size {256 // g} " in x for x in mine) == 3
         ppo = [x for x in mine if x.startswith(".venv/bin/python ppo.py") or " ppo.py " in x]
-        assert len(ppo) == 6 and sum("--count-critic-init-tokens" in x for x in ppo) == 3
+        assert len(ppo) == 9 and sum("--count-critic-init-tokens" in x for x in ppo) == 3
         init = (
             f"--critic {critic} --critic-init {out}/{experiment}/curve-{organism.split('-')[1]}/critic-{critic}-n4096"
         )
-        assert all(init in x for x in ppo)
+        assert sum(init in x for x in ppo) == 6 and sum("--critic none --token-budget" in x for x in ppo) == 3
         for seed in (1, 2, 3):
             assert all(
                 f"<generated_tokens of {out}/{experiment}/{budget}-s{seed}>" in x for x in ppo if f"-s{seed} " in x
