@@ -106,6 +106,10 @@ def smoke_sweep(tmp_path_factory):
 # out because another test in it covers the same path: one stop-signal place of five, one trainer of three, one
 # critic of five in each kind of end-to-end test stays in. The full suite (CI) runs them all.
 SLOW_TOO = {
+    "test_organisms.py::test_each_recipe_builds_the_same_files_twice[organism-small]": "2 builds, 10 s; -wide's stays",
+    "test_organisms.py::test_each_recipe_builds_the_same_files_twice[organism-large]": "2 builds, 14 s",
+    "test_organism.py::test_a_run_on_the_organism_reads_its_task_and_records_it": "6 s; test_organisms.py's stays",
+    "test_faults.py::test_a_stop_signal_anywhere_stops_at_once_and_resume_redoes_only_what_is_missing[evaluate-4": "4 s; evaluate-3 stays",
     "test_faults.py::test_a_damaged_tokenizer_cache_is_named_moved_aside_and_rebuilt": "a tokenizer cache built twice, 7 s",
     "test_preflight.py::test_the_toy_task_passes_the_preflight_and_writes_its_json": "trainer subprocesses, 11 s",
     "test_generation.py::test_greedy_matches_transformers_generate_smollm2": "the packaged model dequantised on a fresh cache, 20-30 s",

@@ -104,14 +104,9 @@ def test_each_recipe_builds_the_same_files_twice(name, tiny_recipes, monkeypatch
         assert str(first["settings"][key[2:].replace("-", "_")]) == value
 
 
-def test_the_wide_task_spans_one_to_five_operations(tiny_recipes):
-    folder = models.organism_folder("organism-wide")
-    rows = [json.loads(line) for line in (folder / "data" / "train.jsonl").read_text().splitlines()]
-    lines = {len(r["answer"].splitlines()) - 1 for r in rows}  # worked lines before "#### N"
-    assert lines == {1, 2, 3, 4, 5}
-
-
 def test_a_run_on_a_named_organism_reads_its_task_and_records_it(tiny_recipes, tmp_path):
+    """A run on organism-wide builds it (one build: an organism.py process, the test's few seconds), reads its task,
+    whose problems span one to five operations, and records it."""
     run = tmp_path / "run"
     sizes = dict(model="organism-wide", batch_size=2, group_size=2, max_new_tokens=8, micro_batch_size=4,
                  num_minibatches=1, mc_every=0, eval_every=0, val_size=50, eval_size=8, test_size=8,
@@ -123,6 +118,8 @@ def test_a_run_on_a_named_organism_reads_its_task_and_records_it(tiny_recipes, t
     assert results["data"]["folder"] == str((folder / "data").resolve())
     assert results["organism"]["settings"]["min_ops"] == 1 and results["organism"]["settings"]["max_ops"] == 5
     assert "the organism's task: train" in proc.stdout
+    rows = [json.loads(line) for line in (folder / "data" / "train.jsonl").read_text().splitlines()]
+    assert {len(r["answer"].splitlines()) - 1 for r in rows} == {1, 2, 3, 4, 5}  # worked lines before "#### N"
 
 
 # ------------------------------------------------------------------------------------------------------
