@@ -106,6 +106,13 @@ def smoke_sweep(tmp_path_factory):
 # out because another test in it covers the same path: one stop-signal place of five, one trainer of three, one
 # critic of five in each kind of end-to-end test stays in. The full suite (CI) runs them all.
 SLOW_TOO = {
+    "test_organism.py::test_the_organism_is_built_once_into_the_cache_and_again_when_damaged": "2 builds, 10 s; "
+    "test_organisms.py's organism-wide build through the cache stays",
+    "test_organism.py::test_gsm8k_through_data_dir_is_outside_the_organisms_vocabulary": "5 s; the alphabet check stays",
+    "test_sweep.py::test_a_budget_matched_runs_cosine_schedule_ends_with_its_budget[grpo.py]": "5 s; ppo's, dpo's stay",
+    "test_threads.py::test_the_banner_and_the_results_show_the_thread_count": "4 s; the choice's own tests stay",
+    "test_bench.py::test_busy_machine_runs_each_configuration_idle_and_beside_its_busy_processes": "4 s, the bench's",
+    "test_bench.py::test_decode_floor_reads_the_row_groups_widths": "4 s, the bench's; the engine's row groups stay",
     "test_organisms.py::test_each_recipe_builds_the_same_files_twice[organism-small]": "2 builds, 10 s; -wide's stays",
     "test_organisms.py::test_each_recipe_builds_the_same_files_twice[organism-large]": "2 builds, 14 s",
     "test_organism.py::test_a_run_on_the_organism_reads_its_task_and_records_it": "6 s; test_organisms.py's stays",
