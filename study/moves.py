@@ -311,6 +311,8 @@ def plot_moves(plt: Any, organisms: dict[str, dict[str, Any]], path: Path, note:
         for G in GROUPS:
             ax.axhline(G, color=GROUP_COLOURS.get(G, "#d62728"), ls="--", lw=1, label=f"GRPO G = {G}")
         ax.set_yscale("log")
+        ax.set_yticks(GROUPS, [str(G) for G in GROUPS])  # GRPO's group sizes as the ticks: read G* against them
+        ax.yaxis.set_minor_formatter(plt.NullFormatter())
         if axis == "parameters":
             ax.set_xscale("log")
             ax.set_xlabel("policy parameters (log scale; 2-3 operations)")
