@@ -540,12 +540,22 @@ def test_the_shipped_organism_is_this_organism_pys_build_of_seed_0():
 
 
 def test_the_committed_study_ran_on_the_shipped_organism():
-    """Every run of docs/organism records the sha256 of the organism's weights it trained: the shipped one's."""
+    """Every run of docs/organism records the sha256 of the organism's weights it trained: the shipped one's; the
+    runs on another organism (spread/, size/: How the crossover moves), that organism's, as its curve and its
+    build's card (organisms/NAME.json) record them."""
     weights = shipped_record()["sha256"]["model/model.safetensors"]
     study = REPO / "docs" / "organism"
     runs = list(study.glob("*/*/results.json"))
     assert len(runs) == len((study / "plan.tsv").read_text().splitlines()) > 0  # every run of the plan
-    assert {json.loads(r.read_text())["organism"]["sha256"]["model/model.safetensors"] for r in runs} == {weights}
+    mine = [r for r in runs if r.parent.parent.name not in ("spread", "size")]
+    assert {json.loads(r.read_text())["organism"]["sha256"]["model/model.safetensors"] for r in mine} == {weights}
+    for experiment, name in (("spread", "organism-wide"), ("size", "organism-large")):
+        card = json.loads((study / "organisms" / f"{name}.json").read_text())["sha256"]["model/model.safetensors"]
+        curve = json.loads(next((study / experiment).glob("curve-*" + name.split("-")[1] + "/curve.json")).read_text())
+        assert curve["organism"]["weights_sha256"] == card != weights
+        theirs = {json.loads(r.read_text())["organism"]["sha256"]["model/model.safetensors"]
+                  for r in runs if r.parent.parent.name == experiment}  # fmt: skip
+        assert theirs <= {card}  # organism-large's head-to-head has not run yet: none
 
 
 def test_why_not_shipped_names_each_reason(tmp_path, monkeypatch):
