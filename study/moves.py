@@ -170,6 +170,28 @@ def moves_sentence(organisms: dict[str, dict[str, Any]]) -> list[str]:
     return out
 
 
+def carries_line(organisms: dict[str, dict[str, Any]]) -> str:
+    """How far the reading carries, and the group sizes the GPU study should compare: GRPO's G that bracket every
+    organism's G* (the best head's, at the prompt), from the largest at or below the least to the smallest at or
+    above the most. '' without a finite G*."""
+    best = [g_star(*part_of(row_at(c, cap), "prompt"))[0] for c in organisms.values() if (cap := best_head(c))]
+    best = [g for g in best if finite(g)]
+    params = [card(n, c)["parameters"] for n, c in organisms.items()]
+    if not best:
+        return ""
+    low = max([G for G in GROUPS if G <= min(best)] or [min(GROUPS)])
+    high = min([G for G in GROUPS if G >= max(best)] or [max(GROUPS)])
+    compare = [G for G in GROUPS if low <= G <= high]
+    largest = max((p for p in params if p), default=0)
+    return (
+        f"**How far it carries**: organisms of up to {largest / 1e6:.2f}M parameters on this arithmetic; on a 0.5B "
+        f"policy and GSM8K it is a hypothesis the GPU study tests. G* spans {min(best):.1f}-{max(best):.1f} here, so "
+        f"that study should compare GRPO at G = {', '.join(map(str, compare))} with the pretrained critic, and read "
+        "its own spread (the constant's nmse at the prompt) first: G* cannot be much above 1 + 1/spread unless the "
+        "critic tells prompts apart."
+    )
+
+
 def has_parts(out: Path) -> bool:
     """Whether the folder holds a curve of an organism other than the crossover's own: else no section."""
     return any((out / rel).is_file() for name, rel in CURVES.items() if name != models.ORGANISM)
@@ -212,6 +234,8 @@ def section(
     ]
     if sentence := moves_sentence(organisms):
         lines += ["", *sentence]
+    if carries := carries_line(organisms):
+        lines += ["", carries]
     if plt is not None and len(organisms) >= 2:
         plot_moves(plt, organisms, report_dir / FIGURE, note)
         lines += ["", f"![{FIGURE}]({FIGURE})", "", figure_caption()]

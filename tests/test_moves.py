@@ -75,6 +75,16 @@ def test_the_best_head_and_the_sentence(folder):
     assert "G* 9.0 [6.7, 14.3] on organism-wide (spread 0.600 [0.550, 0.650], critic small)" in spread
 
 
+def test_how_far_it_carries_names_the_largest_organism_and_the_group_sizes_that_bracket_g_star(folder):
+    organisms = moves.read_organisms(folder)
+    # the best heads' nmse: 0.20, 0.28, 0.10, 0.125 -> G* 6.0, 4.57, 11.0, 9.0: bracketed by G = 4 and 16
+    line = moves.carries_line(organisms)
+    assert "up to 2.41M parameters" in line and "G* spans 4.6-11.0" in line and "at G = 4, 8, 16 " in line
+    del organisms["organism-large"]  # G* 4.6-9.0: 4 to 16 still; without the wide one, 4.6-6.0: G = 4, 8
+    del organisms["organism-wide"]
+    assert "at G = 4, 8 " in moves.carries_line(organisms) and "up to 0.62M" in moves.carries_line(organisms)
+
+
 def test_the_section_and_its_figure_and_none_without_the_other_organisms(folder, tmp_path):
     import matplotlib
 
@@ -85,7 +95,8 @@ def test_the_section_and_its_figure_and_none_without_the_other_organisms(folder,
     report.mkdir()
     lines = moves.section(folder, plt, report)
     assert lines[1] == "## How the crossover moves" and (report / moves.FIGURE).stat().st_size > 10_000
-    assert moves.section(folder, None, report)[-1].startswith("**Against the task's spread**")
+    last = moves.section(folder, None, report)[-3:]
+    assert last[0].startswith("**Against the task's spread**") and last[2].startswith("**How far it carries**")
     alone = tmp_path / "alone"
     write_curve(alone, models.ORGANISM, 0.25, {"small": 0.25}, 616_896)
     assert moves.section(alone, plt, report) == []  # the crossover's own curve: its section, not this one
