@@ -111,14 +111,7 @@ def _tokenizer_cache(gguf: Path) -> Path:
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _set_pad_token(tok)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok.save_pretrained(tmp)
-    try:
-        os.rename(tmp, out)
-    except OSError:  # another process finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return _publish_once(out, tok.save_pretrained)
 
 
 def _dequantised_cache(gguf: Path) -> Path:
@@ -137,10 +130,20 @@ def _dequantised_cache(gguf: Path) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     _set_pad_token(tok, model.config)
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
+
+    return _publish_once(out, save)
+
+
+def _publish_once(out: Path, save: Callable[[Path], None]) -> Path:
+    """save(folder) into a folder of this process's own beside out, then renamed to out in one step: a reader sees
+    out whole or not at all; where another process renamed first, this one's copy is dropped. -> out"""
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
+    save(tmp)
     try:
         os.rename(tmp, out)
     except OSError:  # another process finished first

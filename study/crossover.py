@@ -272,6 +272,29 @@ def measured_grpo(summary: list[dict[str, Any]], runs: list[dict[str, Any]]) -> 
     }  # fmt: skip
 
 
+def pretraining_tokens(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """run -> each seed's critic pretraining tokens (results.json's critic_init), for the runs whose critic was
+    pretrained."""
+    pre: dict[str, list[float]] = {}
+    for r in runs:
+        init = r.get("critic_init") or {}
+        if finite(init.get("tokens")):
+            pre.setdefault(r["run"], []).append(float(init["tokens"]))
+    return pre
+
+
+def price_of(run: str, pre: dict[str, list[float]]) -> str:
+    """A pretrained critic's price, as the plan names its run (amortised, or -paid: spent from the budget); '-' for a
+    run without one."""
+    return ("paid" if run.endswith("-paid") else "amortised") if run in pre else "-"
+
+
+def fmt_accuracy(s: dict[str, Any]) -> str:
+    """A summary row's test accuracy over seeds in % with its 95% interval: '55.0 [54.0, 56.0]' ('[n/a]': none)."""
+    low, high = s["interval_low"], s["interval_high"]
+    return f"{fmt_pct(s['test_accuracy'])} " + (f"[{fmt_pct(low)}, {fmt_pct(high)}]" if finite(low) else "[n/a]")
+
+
 def accuracy_table(
     summary: list[dict[str, Any]], runs: list[dict[str, Any]], control: dict[tuple[str, str], tuple] | None = None
 ) -> list[str]:
@@ -281,11 +304,7 @@ def accuracy_table(
     measured in training, the training tokens and the pretraining's."""
     control = control or {}
     mine = [r for r in runs if r["experiment"] == EXPERIMENT]
-    pre: dict[str, list[float]] = {}
-    for r in mine:
-        init = r.get("critic_init") or {}
-        if finite(init.get("tokens")):
-            pre.setdefault(r["run"], []).append(float(init["tokens"]))
+    pre = pretraining_tokens(mine)
     group_of = {r["run"]: r["args"].get("group_size") for r in mine if r["method"] == "grpo"}
 
     def order(s: dict[str, Any]) -> tuple:  # GRPO by G, then the critics by capacity, amortised before paid
@@ -295,10 +314,7 @@ def accuracy_table(
     for s in sorted((s for s in summary if s["experiment"] == EXPERIMENT), key=order):
         group = group_of.get(s["run"])
         what = f"G = {group}" if s["method"] == "grpo" else s["variant"].split("-")[0]
-        price = ("paid" if s["run"].endswith("-paid") else "amortised") if s["run"] in pre else "-"
-        acc = f"{fmt_pct(s['test_accuracy'])} " + (
-            f"[{fmt_pct(s['interval_low'])}, {fmt_pct(s['interval_high'])}]" if finite(s["interval_low"]) else "[n/a]"
-        )
+        price, acc = price_of(s["run"], pre), fmt_accuracy(s)
         vs_none = control.get((EXPERIMENT, s["run"])) if s["run"] in pre else None
         rows.append([
             s["run"], what, price, str(s["seeds"]), acc, fmt_signed_interval(s["vs_grpo"], s["vs_grpo_low"],

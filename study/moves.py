@@ -24,8 +24,21 @@ from pathlib import Path
 from typing import Any
 
 from plumbing import errors, models
-from study.crossover import COLOURS, CONTROL, GROUP_COLOURS, GROUPS, critics_of, g_star, part_of, read_curve, table
-from study.read_runs import finite, fmt_interval, fmt_num, fmt_pct, fmt_signed_interval, fmt_tokens, mean
+from study.crossover import (
+    COLOURS,
+    CONTROL,
+    GROUP_COLOURS,
+    GROUPS,
+    critics_of,
+    fmt_accuracy,
+    g_star,
+    part_of,
+    pretraining_tokens,
+    price_of,
+    read_curve,
+    table,
+)
+from study.read_runs import finite, fmt_interval, fmt_num, fmt_signed_interval, fmt_tokens, mean
 
 # each organism's curve in a sweep's folder, in the order of the tables (the organism first: the crossover's own)
 CURVES = {
@@ -266,25 +279,19 @@ def accuracy_table(summary: list[dict[str, Any]], runs: list[dict[str, Any]], pa
     rows = []
     for experiment, (organism, refs) in H2H.items():
         mine = [r for r in runs if r["experiment"] == experiment]
-        pre = {r["run"]: [] for r in mine}
-        for r in mine:
-            if finite((r.get("critic_init") or {}).get("tokens")):
-                pre[r["run"]].append(float(r["critic_init"]["tokens"]))
+        names, pre = {r["run"] for r in mine}, pretraining_tokens(mine)
         group_of = {r["run"]: r["args"].get("group_size") for r in mine if r["method"] == "grpo"}
-        for s in sorted((s for s in summary if s["experiment"] == experiment and s["run"] in pre),
+        for s in sorted((s for s in summary if s["experiment"] == experiment and s["run"] in names),
                         key=lambda s: (s["method"] != "grpo", s["run"] != CONTROL, group_of.get(s["run"]) or 0, s["run"])):  # fmt: skip
-            price = ("paid" if s["run"].endswith("-paid") else "amortised") if pre[s["run"]] else "-"
             what = f"G = {group_of[s['run']]}" if s["run"] in group_of else f"critic {s['variant'].split('-')[0]}"
             what = "no critic" if s["run"] == CONTROL else what
-            low, high = s["interval_low"], s["interval_high"]
-            acc = fmt_pct(s["test_accuracy"]) + (f" [{fmt_pct(low)}, {fmt_pct(high)}]" if finite(low) else " [n/a]")
             vs = [paired.get(ref, {}).get((experiment, s["run"])) for ref in refs]
-            vs.append(paired.get(CONTROL, {}).get((experiment, s["run"])) if pre[s["run"]] else None)
+            vs.append(paired.get(CONTROL, {}).get((experiment, s["run"])) if s["run"] in pre else None)
             rows.append([
-                organism, s["run"], what, price, str(s["seeds"]), acc,
+                organism, s["run"], what, price_of(s["run"], pre), str(s["seeds"]), fmt_accuracy(s),
                 *(fmt_signed_interval(*v[:3]) if v else "-" for v in vs),
                 fmt_interval(s["nmse_prompt"], s["nmse_prompt_low"], s["nmse_prompt_high"]),
-                fmt_tokens(s["generated_tokens"]), fmt_tokens(mean(pre[s["run"]])) if pre[s["run"]] else "-",
+                fmt_tokens(s["generated_tokens"]), fmt_tokens(mean(pre[s["run"]])) if s["run"] in pre else "-",
             ])  # fmt: skip
     head = ["organism", "run", "G / critic", "price", "seeds", "test acc. % [95%]", "vs the smaller G, points [95%]",
             "vs the larger G, points [95%]", f"vs PPO without a critic ({CONTROL}), points [95%]",
