@@ -122,7 +122,7 @@ def _dequantised_cache(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"converting {gguf.name} once (dequantising to fp32); cached in {out}", flush=True)
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(_tokenizer_cache(gguf))  # the GGUF's metadata parsed once fewer (~6 s)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):

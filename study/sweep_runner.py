@@ -252,8 +252,6 @@ def states(runs: list[Run], dry_run: bool) -> list[str]:
     """finished (a readable results.json), resume (a checkpoint) or new, per run. A damaged results.json is named
     and renamed aside (never deleted), so the run is redone from its checkpoint; a folder left by a run that died
     before its first checkpoint is renamed aside whole, so the run starts afresh."""
-    from plumbing import checkpoint  # torch: seconds to import, so only once the options are good
-
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = []
     for run in runs:
@@ -277,7 +275,7 @@ def states(runs: list[Run], dry_run: bool) -> list[str]:
                 aside = res.with_name(f"results.json.damaged-{stamp}")
                 res.rename(aside)
                 print(f"warning: {problem}; kept as {aside.name}, redoing the run", file=sys.stderr)
-        if checkpoint.find_checkpoint(run.dir) is not None:
+        if rundir.find_checkpoint(run.dir) is not None:
             out.append("resume")
             continue
         if run.dir.is_dir() and any(p.name not in ("tb", ".lock") for p in run.dir.iterdir()):

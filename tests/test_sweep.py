@@ -137,6 +137,23 @@ def test_a_second_invocation_skips_finished_runs(smoke):
     assert {p: p.stat().st_mtime_ns for p in before} == before
 
 
+def test_a_dry_run_and_bad_input_load_no_torch(tmp_path):
+    """The sweep's runner reads results.json and finds checkpoints through plumbing/rundir.py, so that a dry run or a
+    refusal answers at once: torch (a second or more to import) is for the trainers it starts. Seen through
+    `python -X importtime`, whose report names every module the process loaded."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -X importtime "$@"\n')
+    wrapper.chmod(0o755)
+    for args in (["--dry-run", "--out", tmp_path / "out"], ["--seeds", "0"]):
+        proc = run_sweep(*args, env={"PYTHON": str(wrapper)})
+        loaded = {
+            line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")
+        }
+        assert "plumbing.rundir" in loaded, proc.stderr[-2000:]  # the runner ran (a module run by -m is not listed)
+        assert not {m for m in loaded if m == "torch" or m.startswith("torch.")}, (args, proc.returncode)
+    assert not (tmp_path / "out").exists()
+
+
 def test_dry_run_prints_every_command_and_the_budget_symbolically(tmp_path):
     out = tmp_path / "out"
     proc = sweep("--dry-run", "--out", out, "--seeds", "1,2")
