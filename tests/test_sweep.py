@@ -144,8 +144,9 @@ def test_a_dry_run_and_bad_input_load_no_torch(tmp_path):
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -X importtime "$@"\n')
     wrapper.chmod(0o755)
-    for args in (["--dry-run", "--out", tmp_path / "out"], ["--seeds", "0"]):
-        proc = run_sweep(*args, env={"PYTHON": str(wrapper)})
+    for args, code in ((["--dry-run"], 0), (["--experiments", "nosuch"], 2)):
+        proc = run_sweep(*args, "--out", tmp_path / "out", env={"PYTHON": str(wrapper)})
+        assert proc.returncode == code, proc.stderr[-2000:]
         loaded = {
             line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")
         }
