@@ -162,6 +162,16 @@ SLOW_TOO = {
     "test_tracking.py::test_track_logs_every_row_to_wandb_offline[dpo.py]": "4 s, wandb's import; TensorBoard's stays",
     "test_data_fingerprint.py::test_a_resume_with_one_test_answer_changed_is_refused_naming_test": "3 s; train's stays",
     "test_pretrain.py::test_a_folder_of_other_settings_is_refused": "5 s; the resume test's folder is checked too",
+    # 2026-12-07 (the fast lane at 120-124 s in a fresh clone): each covered by its sibling that stays
+    "test_organism.py::test_a_run_on_the_organism_refuses_the_chat_prompt": "5 s, the tiny organism's build; "
+    "test_organisms.py's run on a named organism stays",
+    "test_dpo.py::test_each_mode_records_what_its_flops_need[gold offline sigmoid]": "4 s; self online's stays",
+    "test_dpo.py::test_each_mode_runs_two_steps[gold online ipo]": "3 s; the other modes stay",
+    "test_ppo.py::test_each_critic_runs_two_steps_with_the_mc_measurement[small]": "2 s; full's stays",
+    "test_pretrain.py::test_paid_pretraining_is_spent_from_the_token_budget": "3 s; the resume test's pretraining stays",
+    "test_report_cli.py::test_the_committed_organism_study_gives_its_committed_report": "3 s; the sections' known "
+    "inputs stay",
+    "test_qwen2.py::test_ppo_with_a_full_critic_trains_tiny_qwen2_and_resumes": "2 s; qwen2's engine tests stay",
     # simulations of thousands of studies: one case of each stays
     "test_preflight.py::test_the_default_smallest_effect_tells_apart_what_the_docs_say": "3 s",
     "test_preflight.py::test_the_preflight_predicts_the_standard_error_of_what_the_report_compares[0.3-": "3 s",
