@@ -180,6 +180,7 @@ def _children(pid: int, comm: str) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to find run_gpu.sh's timeout")
 def test_run_gpu_part_q_killed_by_its_limit_keeps_what_finished(tmp_path):
     """Part q stopped by its limit (run_gpu.sh's `timeout`): parts.tsv says 124, summary.json names the kill and what
     did not finish, every step it calls done has its files on disk, and a step that never started left no folder.
