@@ -136,11 +136,7 @@ def check_organism_reading(
     alone through its chat template (--prompt-format question), the characters of its own task (check_alphabet),
     and the tokenizer loaded giving the ids its build recorded for a question (info: its organism.json; a record
     without "prompt", an older build's, skips that check)."""
-    if prompt_format != "question":
-        raise errors.UserError(
-            f"--prompt-format {prompt_format}: the organism learned the question alone through its chat template "
-            "(--prompt-format question, its default): drop --prompt-format"
-        )
+    models.check_organism_prompt(prompt_format)
     check_alphabet(splits, set(info["alphabet"]))
     if "prompt" in info:
         question, ids = info["prompt"]["question"], info["prompt"]["ids"]

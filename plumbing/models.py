@@ -231,6 +231,17 @@ def is_organism(name: str) -> bool:
     return name in ORGANISMS
 
 
+def check_organism_prompt(prompt_format: str) -> None:
+    """An organism reads the question alone through its chat template, as organism.py trained it (--prompt-format
+    question, its default); another format is refused in one line: by runtime.cli as the flags are parsed, before the
+    organism is copied or built, and by gsm8k.check_organism_reading for a caller that skipped it."""
+    if prompt_format != "question":
+        raise UserError(
+            f"--prompt-format {prompt_format}: the organism learned the question alone through its chat template "
+            "(--prompt-format question, its default): drop --prompt-format"
+        )
+
+
 def organism_flags(name: str = ORGANISM) -> list[str]:
     """organism.py's flags beyond --seed for the named organism: ORGANISM_FLAGS (the tests' small build), then its
     recipe's knobs (ORGANISMS)."""

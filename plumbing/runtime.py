@@ -41,7 +41,7 @@ from plumbing.errors import (
     UserError,
     WriteFailed,
 )
-from plumbing.models import MODEL_SETTINGS, ORGANISM, is_organism
+from plumbing.models import MODEL_SETTINGS, ORGANISM, check_organism_prompt, is_organism
 
 # ======================================================================================================
 # The run's state in this process: one place, begun afresh where a run starts (run_main)
@@ -161,7 +161,8 @@ def cli(cls: type[T], cpu: dict[str, dict[str, Any]], args: Sequence[str] | None
     first (flag_value), then tyro parses the command line once with the chosen defaults, so --help shows the values
     that would run. A flag given always wins. Returns the args and what the CPU preset changed ("batch_size 512 ->
     8": each field left to the preset where it differs from the study's), for the banner and results.json. A bad
-    flag or value is a UserError of one line, not tyro's box. args: the flags (default: the command line)."""
+    flag or value is a UserError of one line, not tyro's box; so is a prompt format an organism cannot read
+    (models.check_organism_prompt). args: the flags (default: the command line)."""
     flags = list(sys.argv[1:] if args is None else args)
     study = cls()
     scale = cmdline.flag_value(flags, "scale", study.scale)
@@ -170,16 +171,19 @@ def cli(cls: type[T], cpu: dict[str, dict[str, Any]], args: Sequence[str] | None
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if not (scale == "cpu" or (scale == "auto" and not device.startswith("cuda"))):
         study = dataclasses.replace(study, **model_settings(cls, cmdline.flag_value(flags, "model", study.model)))
-        return cmdline.parse(cls, study, flags), []  # a bad --scale or --device is tyro's to refuse
-    preset = cpu_preset(cls, cpu, cmdline.flag_value(flags, "model", None))
-    description = f"{cmdline.help_opening(cls)}\n\n{cmdline.fill(preset_note(preset.model, scale))}"
-    out = cmdline.parse(cls, preset, flags, description=description)
-    given = cmdline.given_fields(cls, flags)
-    changed = [
-        f"{f.name} {getattr(study, f.name)} -> {getattr(preset, f.name)}"
-        for f in dataclasses.fields(cls)
-        if f.name not in given and getattr(study, f.name) != getattr(preset, f.name)
-    ]
+        out, changed = cmdline.parse(cls, study, flags), []  # a bad --scale or --device is tyro's to refuse
+    else:
+        preset = cpu_preset(cls, cpu, cmdline.flag_value(flags, "model", None))
+        description = f"{cmdline.help_opening(cls)}\n\n{cmdline.fill(preset_note(preset.model, scale))}"
+        out = cmdline.parse(cls, preset, flags, description=description)
+        given = cmdline.given_fields(cls, flags)
+        changed = [
+            f"{f.name} {getattr(study, f.name)} -> {getattr(preset, f.name)}"
+            for f in dataclasses.fields(cls)
+            if f.name not in given and getattr(study, f.name) != getattr(preset, f.name)
+        ]
+    if is_organism(getattr(out, "model", "")) and hasattr(out, "prompt_format"):
+        check_organism_prompt(out.prompt_format)  # a model's setting it cannot run without: before anything loads
     return out, changed
 
 

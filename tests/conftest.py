@@ -163,8 +163,6 @@ SLOW_TOO = {
     "test_data_fingerprint.py::test_a_resume_with_one_test_answer_changed_is_refused_naming_test": "3 s; train's stays",
     "test_pretrain.py::test_a_folder_of_other_settings_is_refused": "5 s; the resume test's folder is checked too",
     # 2026-12-07 (the fast lane at 120-124 s in a fresh clone): each covered by its sibling that stays
-    "test_organism.py::test_a_run_on_the_organism_refuses_the_chat_prompt": "5 s, the tiny organism's build; "
-    "test_organisms.py's run on a named organism stays",
     "test_dpo.py::test_each_mode_records_what_its_flops_need[gold offline sigmoid]": "4 s; self online's stays",
     "test_dpo.py::test_each_mode_runs_two_steps[gold online ipo]": "3 s; the other modes stay",
     "test_ppo.py::test_each_critic_runs_two_steps_with_the_mc_measurement[small]": "2 s; full's stays",

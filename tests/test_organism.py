@@ -506,14 +506,19 @@ def test_gsm8k_through_data_dir_is_outside_the_organisms_vocabulary(small_cache,
     assert not (tmp_path / "run").exists()
 
 
-def test_a_run_on_the_organism_refuses_the_chat_prompt(small_cache, tmp_path):
+@pytest.mark.parametrize("name", ["organism", "organism-large"])
+def test_a_run_on_the_organism_refuses_the_chat_prompt_before_building_it(name, tmp_path, monkeypatch):
+    """Refused as the flags are parsed (runtime.cli): neither the shipped organism copied nor a named one built
+    (minutes, for organism-large) for a run that cannot read it."""
     from helpers import cli
 
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
     proc = run_here(
-        "grpo.py", cli(tmp_path / "run", base=dict(model="organism", total_steps=1, val_size=50), prompt_format="chat")
+        "grpo.py", cli(tmp_path / "run", base=dict(model=name, total_steps=1, val_size=50), prompt_format="chat")
     )
     assert proc.returncode == 2
     assert "--prompt-format chat: the organism learned the question alone" in check_one_error_line(proc)
+    assert "building" not in proc.stdout and not list((tmp_path / "cache").glob("organism*"))
     assert not (tmp_path / "run").exists()
 
 
