@@ -4,7 +4,8 @@ Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAME
 resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
 again); load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
 request, so that an offline machine goes straight to the caches; gsm8k.py asks it too); the tiny configs ("tiny",
-"tiny-qwen2"); the organism in the cache (organism_folder: the shipped build copied once, checked; organism_info);
+"tiny-qwen2"); the organism in the cache (organism_folder: the shipped build copied once, checked; organism_info;
+check_organism_prompt, the one prompt format an organism reads);
 the memory check a generation batch must pass before the model loads (check_generation_memory, from the model's
 config).
 Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (distributed.py), checkpoints

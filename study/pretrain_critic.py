@@ -130,6 +130,8 @@ def parse(flags: list[str] | None = None) -> Args:
         default, **runtime.model_settings(Args, cmdline.flag_value(flags, "model", default.model))
     )
     args = cmdline.parse(Args, default, flags)
+    if models.is_organism(args.model):
+        models.check_organism_prompt(args.prompt_format)  # before the organism is copied or built
     runtime.check_ranges(
         args,
         positive=("holdout", "chunk", "epochs", "mc_chunk", "mc_prompts"),

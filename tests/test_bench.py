@@ -1,7 +1,7 @@
 """bench/: run_gpu.sh's parts rehearsed on the CPU at toy sizes (each its own process and limit, one killed by
 it with the earlier parts' numbers kept), a failed trainer's step times kept, the toy run's reward rise, and the
 TRL settings and caveats printed beside the ratio. Part q (PARTS=q, bench/qwen_part.py) is rehearsed on its own with
-tiny-qwen2: whole, and killed by a 10 s limit; beside them its sizing arithmetic, its skip without QWEN_GGUF.
+tiny-qwen2: whole, and stopped by its limit (fired once the preflight is done); beside them its sizing arithmetic, its skip without QWEN_GGUF.
 
 The trainers' part (d) is killed by its limit in the rehearsal (3 s): a full one takes 29 s on 2 CPU cores
 (2026-12-02; `T_D=300 bash bench/run_gpu.sh --tiny` runs it). TRL is not assumed installed: its part records a skip.
@@ -90,11 +90,18 @@ def test_run_gpu_flow_tiny_cpu_keeps_the_parts_before_one_killed_by_its_limit(tm
     assert r["grpo_step_s"] == sec.get("grpo", {}).get("grpo", {}).get("step_s")  # None unless grpo.py finished
 
 
-def _part_q(tmp_path: Path, limit_s: int, q_args: str = "") -> tuple[subprocess.CompletedProcess, Path]:
-    """`PARTS=q bash bench/run_gpu.sh --tiny` under T_Q=limit_s (tiny-qwen2 whatever QWEN_GGUF says)."""
+def _part_q_env(tmp_path: Path, limit_s: int, q_args: str = "") -> tuple[dict, Path]:
+    """The environment of `PARTS=q bash bench/run_gpu.sh --tiny` under T_Q=limit_s (tiny-qwen2 whatever QWEN_GGUF
+    says), and its OUT folder."""
     out = tmp_path / "out"
     env = {**_env(), "OUT": str(out), "PARTS": "q", "T_Q": str(limit_s), "Q_ARGS": q_args}
     env.pop("Q_MODEL", None)
+    return env, out
+
+
+def _part_q(tmp_path: Path, limit_s: int, q_args: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+    """`PARTS=q bash bench/run_gpu.sh --tiny` under T_Q=limit_s, run to its end."""
+    env, out = _part_q_env(tmp_path, limit_s, q_args)
     proc = subprocess.run(
         ["bash", "bench/run_gpu.sh", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env
     )
@@ -165,8 +172,8 @@ def test_run_gpu_part_q_tiny_cpu_writes_every_step_at_one_token_budget(tmp_path)
     assert "part q: tiny-qwen2" in proc.stdout and "budget:" in proc.stdout
 
 
-def _children(pid: int, comm: str) -> list[int]:
-    """The pids of PID's child processes named COMM (Linux's /proc)."""
+def _processes() -> list[tuple[int, str, int, int]]:
+    """Every process as (pid, name, parent pid, session id), from Linux's /proc/PID/stat."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -174,43 +181,62 @@ def _children(pid: int, comm: str) -> list[int]:
         except OSError:  # a process that ended while we looked
             continue
         name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
-        if name == comm and int(rest[1]) == pid:
-            found.append(int(stat.parent.name))
+        found.append((int(stat.parent.name), name, int(rest[1]), int(rest[3])))
     return found
+
+
+def _children(pid: int, comm: str) -> list[int]:
+    """The pids of PID's child processes named COMM."""
+    return [p for p, name, parent, _ in _processes() if name == comm and parent == pid]
+
+
+def _gnu_timeout() -> bool:
+    """Whether `timeout` is GNU coreutils', which takes a SIGALRM from outside as its own limit elapsing."""
+    try:
+        said = subprocess.run(["timeout", "--version"], capture_output=True, text=True, timeout=10).stdout
+    except OSError:
+        return False
+    return "GNU coreutils" in said.split("\n", 1)[0]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc to find run_gpu.sh's timeout")
+@pytest.mark.skipif(not _gnu_timeout(), reason="fires GNU timeout's limit by its SIGALRM")
 def test_run_gpu_part_q_killed_by_its_limit_keeps_what_finished(tmp_path):
     """Part q stopped by its limit (run_gpu.sh's `timeout`): parts.tsv says 124, summary.json names the kill and what
     did not finish, every step it calls done has its files on disk, and a step that never started left no folder.
 
     The limit fires at a known point, not on a clock: the part runs under T_Q = 300 s with runs of 20 steps, and once
-    summary.json calls the preflight done the test sends `timeout` the SIGALRM its own clock would have sent (it then
-    signals the part and exits 124, as at its limit). A 10 s limit raced the preflight on a busy machine (CI)."""
-    out = tmp_path / "out"
-    env = {**_env(), "OUT": str(out), "PARTS": "q", "T_Q": "300", "Q_ARGS": "--max-steps 20"}
-    env.pop("Q_MODEL", None)
-    proc = subprocess.Popen(
-        ["bash", "bench/run_gpu.sh", "--tiny"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
-    )
-    deadline, fired = time.monotonic() + 300, False
-    while time.monotonic() < deadline and proc.poll() is None and not fired:
-        time.sleep(0.2)
+    summary.json calls the preflight done the test sends `timeout` the SIGALRM its own clock would have sent (GNU
+    timeout then signals the part and exits 124, as at its limit). A 10 s limit raced the preflight on a busy machine
+    (CI). The output goes to a file (a pipe nobody reads could fill and stall the part); whatever is left running at
+    the end of the test's own session of processes is killed."""
+    env, out = _part_q_env(tmp_path, 300, "--max-steps 20")
+    log = tmp_path / "stdout.txt"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            ["bash", "bench/run_gpu.sh", "--tiny"], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            steps = json.loads((out / "q/summary.json").read_text())["steps"]
-        except (OSError, ValueError, KeyError):  # not written yet (each write is a rename: never half a file)
-            continue
-        if steps["preflight"]["status"] == "done":
-            for pid in _children(proc.pid, "timeout"):
-                os.kill(pid, signal.SIGALRM)
-                fired = True
-    stdout, _ = proc.communicate(timeout=120)
+            deadline, fired = time.monotonic() + 300, False
+            while time.monotonic() < deadline and proc.poll() is None and not fired:
+                time.sleep(0.2)
+                try:
+                    steps = json.loads((out / "q/summary.json").read_text())["steps"]
+                except (OSError, ValueError, KeyError):  # not written yet (each write is a rename: never half a file)
+                    continue
+                if steps["preflight"]["status"] == "done":
+                    for pid in _children(proc.pid, "timeout"):
+                        os.kill(pid, signal.SIGALRM)
+                        fired = True
+            proc.wait(timeout=120)
+        finally:  # timeout makes a process group of its own: every process of the session goes
+            for pid in [p for p, _, _, session in _processes() if session == proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+    stdout = log.read_text()
     assert fired, stdout[-3000:]
     parts = {n: int(rc) for n, rc, _ in map(str.split, (out / "parts.tsv").read_text().splitlines())}
     assert parts == {"q_qwen": 124}, (parts, stdout[-3000:])

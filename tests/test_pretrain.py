@@ -174,6 +174,15 @@ def test_the_tool_refuses_bad_values_in_one_line_and_writes_nothing(tmp_path, fl
     assert not (tmp_path / "out").exists()
 
 
+def test_the_tool_refuses_a_prompt_format_the_organism_cannot_read_before_building_it(tmp_path, monkeypatch):
+    """As the trainers do (runtime.cli): organism-large is not built (minutes) for a pretraining that would refuse it."""
+    monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
+    flags = ["--model", "organism-large", "--prompt-format", "chat", "--out", str(tmp_path / "out"), "--no-progress"]
+    proc = run_here(TOOL, flags)
+    assert "--prompt-format chat: the organism learned the question alone" in check_one_error_line(proc)
+    assert "building" not in proc.stdout and not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+
+
 def test_the_tool_imports_the_method_and_never_a_trainer():
     tree = ast.parse((REPO / "study" / "pretrain_critic.py").read_text())
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
