@@ -65,7 +65,8 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # Estimate on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md: from the committed organism runs'
 # step times): the curve ~10 min beside 12 GRPO runs of ~5.3 min, ~37 min; then 9 amortised PPO runs of ~5.1 min
 # and 9 paid ones of ~3.6 min, ~39 min; ~80 min in all, ~92 with the control (3 x ~5.1 min) and the fit steps
-# (measured 2026-12-07: 1 h 47 min beside other work). A stopped sweep resumes where it stopped.
+# (measured 2026-12-07: 1 h 47 min beside other work; the full critic's fit, added after, ~10 min of one thread).
+# A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large --rollouts 256 1024 4096 16384 --measure
 # the fit's settings: each head fitted again on the curve's first 4,096 rollouts at other learning rates and epochs,
 # measured on the curve's held-out targets (--pool-from: its rollouts and Monte Carlo linked, none sampled again)
@@ -74,6 +75,9 @@ crossover      fit-lr3e-3-e4         study.pretrain_critic --critics small mediu
 crossover      fit-lr1e-2-e4         study.pretrain_critic --critics small medium large --rollouts 4096 --lr 1e-2 --epochs 4 --measure --pool-from {out}/crossover/curve
 crossover      fit-lr1e-3-e16        study.pretrain_critic --critics small medium large --rollouts 4096 --lr 1e-3 --epochs 16 --measure --pool-from {out}/crossover/curve
 crossover      fit-lr3e-3-e16        study.pretrain_critic --critics small medium large --rollouts 4096 --lr 3e-3 --epochs 16 --measure --pool-from {out}/crossover/curve
+# the full critic (a copy of the policy: its own layers, which may compute what the policy's features do not say) on
+# the curve's pool at each number of rollouts, at its learning rate (the heads' 1e-3 is ten times it)
+crossover      fit-lr1e-4-e4         study.pretrain_critic --critics full --rollouts 256 1024 4096 16384 --lr 1e-4 --epochs 4 --measure --pool-from {out}/crossover/curve
 crossover      grpo-group-g2         grpo.py --group-size 2 --batch-size 128 --total-steps 50
 crossover      grpo-group-g4         grpo.py --group-size 4 --batch-size 64 --total-steps 50
 crossover      grpo-group            grpo.py --group-size 8 --batch-size 32 --total-steps 50

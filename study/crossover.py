@@ -390,7 +390,8 @@ def fit_settings_table(out: Path, curve: dict[str, Any]) -> list[str]:
         f"(OUT/{EXPERIMENT}/fit-*: pretrain_critic.py --pool-from the curve), so the rows of one critic differ by the "
         "fit alone; their intervals share the held-out prompts' noise, so a difference between two rows is smaller "
         "than their intervals suggest. The settings were judged on these held-out targets, the ones the curve "
-        "reports: a choice among them is a selection on the measurement.",
+        "reports: a choice among them is a selection on the measurement. A capacity the curve leaves out (the full "
+        "critic: a copy of the policy, its own layers) is fitted only here, at its own learning rate.",
         "",
         *table(head, rows),
     ]

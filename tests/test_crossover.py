@@ -91,10 +91,17 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
     loaded = {int(re.search(r"-n(\d+)\.", flag(c, "--critic-init")).group(1)) for c in cmds if "--critic-init" in c}
     assert len(fits) >= 2 and len({(flag(c, "--lr"), flag(c, "--epochs")) for c in fits}) == len(fits)
     last_grpo = max(i for i, c in enumerate(cmds) if "grpo.py" in c)
+    curve = next(c for c in cmds if flag(c, "--out") == str(out / "crossover" / "curve"))
     for c in fits:
         assert flag(c, "--pool-from") == str(out / "crossover" / "curve") and "--measure" in c and "--seed" not in c
-        assert c[c.index("--critics") + 1 : c.index("--rollouts")] == capacities
-        assert int(flag(c, "--rollouts")) in loaded and (float(flag(c, "--lr")), flag(c, "--epochs")) != (1e-3, "4")
+        rollouts = c[c.index("--rollouts") + 1 :]
+        rollouts = rollouts[: next((i for i, x in enumerate(rollouts) if x.startswith("--")), len(rollouts))]
+        if c[c.index("--critics") + 1 : c.index("--rollouts")] == ["full"]:  # the capacity the curve leaves out:
+            assert rollouts == curve[curve.index("--rollouts") + 1 : curve.index("--measure")]  # at its every n,
+            assert flag(c, "--lr") == "1e-4"  # at the full critic's own learning rate
+        else:
+            assert c[c.index("--critics") + 1 : c.index("--rollouts")] == capacities
+            assert int(flag(c, "--rollouts")) in loaded and (float(flag(c, "--lr")), flag(c, "--epochs")) != (1e-3, "4")
         assert flag(c, "--out") == str(out / "crossover" / f"fit-lr{flag(c, '--lr')}-e{flag(c, '--epochs')}")
         assert cmds.index(c) > last_grpo
     assert not out.exists()
