@@ -99,9 +99,9 @@ def _part_q_env(tmp_path: Path, limit_s: int, q_args: str = "") -> tuple[dict, P
     return env, out
 
 
-def _part_q(tmp_path: Path, limit_s: int, q_args: str = "") -> tuple[subprocess.CompletedProcess, Path]:
+def _part_q(tmp_path: Path, limit_s: int) -> tuple[subprocess.CompletedProcess, Path]:
     """`PARTS=q bash bench/run_gpu.sh --tiny` under T_Q=limit_s, run to its end."""
-    env, out = _part_q_env(tmp_path, limit_s, q_args)
+    env, out = _part_q_env(tmp_path, limit_s)
     proc = subprocess.run(
         ["bash", "bench/run_gpu.sh", "--tiny"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env
     )

@@ -138,9 +138,10 @@ def test_a_second_invocation_skips_finished_runs(smoke):
 
 
 def test_a_dry_run_and_bad_input_load_no_torch(tmp_path):
-    """The sweep's runner reads results.json and finds checkpoints through plumbing/rundir.py, so that a dry run or a
-    refusal answers at once: torch (a second or more to import) is for the trainers it starts. Seen through
-    `python -X importtime`, whose report names every module the process loaded."""
+    """The sweep's runner reads results.json and finds checkpoints through plumbing/rundir.py, so that a dry run
+    answers at once: torch (a second or more to import) is for the trainers it starts. A refusal stops before the
+    runs' states are read; it is checked too, as a guard. Seen through `python -X importtime`, whose report names
+    every module the process loaded."""
     wrapper = tmp_path / "python"
     wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} -X importtime "$@"\n')
     wrapper.chmod(0o755)
