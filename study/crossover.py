@@ -107,6 +107,16 @@ def part_of(row: dict[str, Any], part: str) -> tuple[float, float, float]:
     return number(p.get("nmse")), number(p.get("nmse_lo")), number(p.get("nmse_hi"))
 
 
+def paired_of(row: dict[str, Any], part: str, key: str) -> tuple[float, float, float]:
+    """(d, lo, hi) of a row's paired difference at one part ("vs_constant", "vs_linear": pretrain_critic's
+    paired_differences); nan where the curve has none (a curve made before they were written, or the reference
+    itself)."""
+    x = (row.get(part) or {}).get(key)
+    if not (isinstance(x, list) and len(x) == 3):
+        return math.nan, math.nan, math.nan
+    return number(x[0]), number(x[1]), number(x[2])
+
+
 def critics_of(curve: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """The fitted critics' rows by capacity, each by rollouts ascending (the constant baseline and a linear read-out,
     which are no critic ppo.py trains, apart)."""
@@ -213,13 +223,22 @@ def curve_table(curve: dict[str, Any], groups: tuple[int, ...]) -> list[str]:
         rows.append([
             r["capacity"], n, fmt_tokens(number(r.get("tokens"))), fmt_interval(*nmse),
             fmt_interval(*gs, digits=1), ", ".join(under) or "none",
+            fmt_interval(*paired_of(r, "prompt", "vs_constant"), signed=True),
             fmt_interval(*part_of(r, "inside")), fmt_interval(*part_of(r, "all")),
             fmt_num(number(r.get("value_explained_variance"))),
         ])  # fmt: skip
     head = ["critic", "rollouts", "tokens", "nmse at prompt [95%]", "G* [95%]", "below GRPO's G",
-            "nmse inside [95%]", "nmse all states [95%]", "value expl. var."]  # fmt: skip
+            "vs constant at prompt [95%, paired]", "nmse inside [95%]", "nmse all states [95%]",
+            "value expl. var."]  # fmt: skip
     lines = " ".join(f"G = {G}: {grpo_line(G):.3f};" for G in groups).rstrip(";")
-    return [*table(head, rows), "", f"GRPO's leave-one-out mean at the prompt, 1/(G-1): {lines}."]
+    return [
+        *table(head, rows),
+        "",
+        f"GRPO's leave-one-out mean at the prompt, 1/(G-1): {lines}. \"vs constant\": the critic's nmse less the "
+        "constant baseline's of the same rollouts, on the same held-out prompts and Monte Carlo means, its interval "
+        "paired over the prompts (their shared noise cancels, so it is narrower than the two rows' own intervals "
+        "suggest); below zero, the critic has learned something a mean reward does not say.",
+    ]
 
 
 def g_star_lines(curve: dict[str, Any], groups: tuple[int, ...]) -> list[str]:
@@ -378,18 +397,24 @@ def fit_settings_table(out: Path, curve: dict[str, Any]) -> list[str]:
     rows = [
         [r["capacity"], f"{r['rollouts']:,}", f"{number(r.get('lr')):g}", str(r.get("epochs", "?")), where,
          fmt_num(number(r.get("final_loss")), 4), fmt_interval(*part_of(r, "prompt")),
-         fmt_interval(*part_of(r, "all")), fmt_num(number(r.get("value_explained_variance")))]
+         fmt_interval(*paired_of(r, "prompt", "vs_constant"), signed=True),
+         fmt_interval(*paired_of(r, "prompt", "vs_linear"), signed=True),
+         fmt_interval(*part_of(r, "all")), fmt_interval(*paired_of(r, "all", "vs_constant"), signed=True),
+         fmt_num(number(r.get("value_explained_variance")))]
         for r, where in found
     ]  # fmt: skip
     head = ["critic", "rollouts", "lr", "epochs", "folder", "final fit loss", "nmse at prompt [95%]",
-            "nmse all states [95%]", "value expl. var."]  # fmt: skip
+            "vs constant [paired]", "vs linear read-out [paired]", "nmse all states [95%]",
+            "all states vs constant [paired]", "value expl. var."]  # fmt: skip
     return [
         "### The fit's settings",
         "",
         "Each critic fitted again under other settings on the same rollouts, measured on the same held-out targets "
         f"(OUT/{EXPERIMENT}/fit-*: pretrain_critic.py --pool-from the curve), so the rows of one critic differ by the "
         "fit alone; their intervals share the held-out prompts' noise, so a difference between two rows is smaller "
-        "than their intervals suggest. The settings were judged on these held-out targets, the ones the curve "
+        "than their intervals suggest: the \"paired\" columns give each critic's nmse less the constant baseline's "
+        "(of the same rollouts) and less the linear read-out's with the interval paired over the held-out prompts, "
+        "where that noise cancels. The settings were judged on these held-out targets, the ones the curve "
         "reports: a choice among them is a selection on the measurement. A capacity the curve leaves out (the full "
         "critic: a copy of the policy, its own layers) is fitted only here, at its own learning rate.",
         "",

@@ -508,11 +508,12 @@ class Work:
             out[rows, : v.shape[1]] = v.float().cpu()
         return out
 
-    def score(self, values: torch.Tensor, held: dict[str, Any]) -> dict[str, Any]:
+    def score(self, values: torch.Tensor, held: dict[str, Any]) -> tuple[dict[str, Any], Units]:
         """A baseline's values [N, T] on the held-out completions, measured: measure.baseline_error_by_state over the
         states pooled (the prompt, inside, all), each nmse with its 95% interval over the prompts as units
         (intervals.ratio_interval of the per-prompt sums), G* with its interval, and the explained variance of the
-        completions' scores that ppo.py logs as value_explained_variance."""
+        completions' scores that ppo.py logs as value_explained_variance. -> that record, and the per-prompt sums
+        by part (for paired_differences)"""
         k, row, t = self.args.mc_samples, held["row"], held["t"]
         pred = values[row, t]  # [S] the baseline at each measured state
         extra = dict(weights=held["w"], mc_var=held["var"], signal_var=held["signal_var"])
@@ -542,7 +543,8 @@ class Work:
         mask = (torch.arange(values.shape[1])[None, :] < lengths[:, None]).float()  # [N, T]
         scores = torch.tensor(held["scores"], dtype=torch.float32)[:, None] * mask
         out["value_explained_variance"] = common.explained_variance_masked(values, scores, mask)
-        return out
+        names = dict(zip(measure.STATE_PARTS, ("all", "prompt", "inside")))
+        return out, {names[part]: sums for part, sums in units.items() if names[part] in out}
 
     def linear_values(self, held: dict[str, Any]) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """The best linear read-out of the frozen policy's hidden state (what a head reads) as a critic's values on
@@ -586,12 +588,18 @@ class Work:
             "informative_share": (held["signal_var"][prompt_states] > 0).double().mean().item(),
             "mean_p_1_minus_p": held["signal_var"][prompt_states].mean().item(),  # E[p(1-p)], unbiased
         }
-        rows = []
+        rows, units = [], []
+
+        def add(row: dict[str, Any], values: torch.Tensor) -> None:
+            record, sums = self.score(values, held)
+            rows.append({**row, **record})
+            units.append(sums)
+
         shape = (len(held["prompts"]), max(map(len, held["responses"])))
         for n in a.rollouts:  # the constant baseline: the mean reward of the pretraining rollouts
             constant = torch.full(shape, sum(pool["scores"][:n]) / n)
             tokens = sum(len(r) for r in pool["responses"][:n])
-            rows.append({"capacity": "constant", "rollouts": n, "tokens": tokens, **self.score(constant, held)})
+            add({"capacity": "constant", "rollouts": n, "tokens": tokens}, constant)
         bar = tqdm(total=len(records), desc="measuring critics", disable=not self.show)
         for (capacity, n), record in records.items():
             with torch.random.fork_rng(devices=[]):
@@ -599,12 +607,12 @@ class Work:
             critic = critic.to(self.device).eval()
             critics.load_critic_file(self.critic_path(capacity, n), critic, "--out")
             fit = {k: record[k] for k in ("tokens", "lr", "epochs", "batch_size", "final_loss", "fit_seconds")}
-            rows.append({"capacity": capacity, "rollouts": n, **fit, **self.score(self.values(critic, held), held)})
+            add({"capacity": capacity, "rollouts": n, **fit}, self.values(critic, held))
             bar.update(1)
         bar.close()
         values, penalties = self.linear_values(held)  # the ceiling of a head: the best linear read-out, honest
-        rows.append({"capacity": "linear", "rollouts": None, "folds": FOLDS, "penalties": penalties,
-                     **self.score(values, held)})  # fmt: skip
+        add({"capacity": "linear", "rollouts": None, "folds": FOLDS, "penalties": penalties}, values)
+        paired_differences(rows, units)
         return {
             "settings": {**self.settings, "data": self.data, **{k: getattr(a, k) for k in ("mc_samples", "mc_states")}},
             "heldout": summary,
@@ -686,6 +694,28 @@ def choose_penalty(x: torch.Tensor, y: torch.Tensor) -> float:
 # ======================================================================================================
 # Files out: curve.json and curve.csv, written atomically
 # ======================================================================================================
+
+
+Units = dict[str, tuple[list[float], list[float]]]  # part of the states -> per-prompt (error sums, signal sums)
+
+
+def paired_differences(rows: list[dict[str, Any]], units: list[Units]) -> None:
+    """Each row's nmse less the constant baseline's at the same rollouts ("vs_constant") and less the linear
+    read-out's ("vs_linear"), per part of the states, with its paired 95% interval over the held-out prompts
+    (intervals.ratio_difference_interval: both sides measured on the same prompts against the same Monte Carlo
+    means, whose noise cancels in the difference; two rows' own intervals carry it twice). Written into
+    row[part] as [d, lo, hi], negative where the row reads less than the reference; a row is not compared with
+    itself, and no row has a constant of its rollouts but a constant or a critic. rows[i]'s sums are units[i]."""
+    constant = {r["rollouts"]: u for r, u in zip(rows, units) if r["capacity"] == "constant"}
+    linear = next((u for r, u in zip(rows, units) if r["capacity"] == "linear"), None)
+    for row, own in zip(rows, units):
+        refs = {"vs_constant": None if row["capacity"] == "constant" else constant.get(row["rollouts"]),
+                "vs_linear": None if row["capacity"] == "linear" else linear}  # fmt: skip
+        for key, ref in refs.items():
+            for part in own:
+                if ref is None or part not in row or part not in ref:
+                    continue
+                row[part][key] = list(intervals.ratio_difference_interval(*own[part], *ref[part], paired=True))
 
 
 def finite_or_none(x: Any) -> Any:

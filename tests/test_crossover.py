@@ -242,7 +242,8 @@ def test_the_fit_settings_table_sets_each_fit_beside_the_curves_own_at_the_same_
         r.update(lr=1e-3, epochs=4, final_loss=0.09)
     fit = {"heldout": curve["heldout"], "rows": [
         {"capacity": "small", "rollouts": 4096, "lr": 3e-3, "epochs": 16, "final_loss": 0.08,
-         "prompt": part(0.111, 0.02), "all": part(0.222, 0.02), "value_explained_variance": 0.05},
+         "prompt": {**part(0.111, 0.02), "vs_constant": [-0.159, -0.2, -0.118]}, "all": part(0.222, 0.02),
+         "value_explained_variance": 0.05},
         {"capacity": "constant", "rollouts": 4096, "prompt": part(0.27, 0.03)},
     ]}  # fmt: skip
     (tmp_path / "crossover" / "fit-lr3e-3-e16").mkdir()
@@ -253,6 +254,8 @@ def test_the_fit_settings_table_sets_each_fit_beside_the_curves_own_at_the_same_
         ("small", "4,096", "0.001", "4", "the curve"), ("small", "4,096", "0.003", "16", "fit-lr3e-3-e16"),
     ]  # fmt: skip
     assert rows[1][6].startswith("0.111 [0.091, 0.131]") and rows[1][5] == "0.0800"
+    assert rows[1][7] == "-0.159 [-0.200, -0.118]" and rows[1][9].startswith("0.222 [0.202, 0.242]")
+    assert rows[0][7] == rows[1][8] == "-"  # a curve with no paired differences (made before them): none shown
     (tmp_path / "crossover" / "fit-broken").mkdir()
     (tmp_path / "crossover" / "fit-broken" / "curve.json").write_text("{")
     assert "fit-broken" in crossover.fit_settings_table(tmp_path, curve)[0]

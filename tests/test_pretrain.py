@@ -338,6 +338,49 @@ def test_the_curve_holds_each_critic_and_its_g_star(pretrained):
     assert rows["constant", 32]["value_explained_variance"] == pytest.approx(0, abs=1e-6)  # a constant explains none
     lines = (pretrained / "curve.csv").read_text().splitlines()
     assert len(lines) == 2 + len(rows) and lines[0].startswith("capacity,rollouts,tokens")  # and the linear row
+    for (capacity, n), r in rows.items():  # paired differences: centred on the two pooled nmse's difference
+        for part in ("prompt", "all"):
+            against = {"vs_linear": linear[part]["nmse"]}
+            if capacity != "constant":
+                against["vs_constant"] = rows["constant", n][part]["nmse"]
+            assert set(k for k in r[part] if k.startswith("vs_")) == set(against)
+            for key, ref in against.items():
+                d = r[part][key][0]
+                if d is not None and ref is not None and r[part]["nmse"] is not None:
+                    assert d == pytest.approx(r[part]["nmse"] - ref, rel=1e-9, abs=1e-12)
+    assert "vs_linear" not in linear["prompt"] and "vs_constant" not in linear["prompt"]
+
+
+def test_a_paired_difference_cancels_the_noise_the_prompts_share():
+    """Two baselines on the same held-out prompts: the prompts' own noise moves both, so the difference's interval
+    is far narrower than either one's; a critic 0.05 below the constant on every prompt is told apart (its paired
+    interval below 0) while the two rows' own intervals overlap."""
+    import intervals
+    from study import pretrain_critic as pc
+
+    g = torch.Generator().manual_seed(0)
+    signal = (0.1 + torch.rand(64, generator=g)).tolist()  # each prompt's E[p(1-p)] sum
+    noisy = [s * (0.3 + 0.5 * torch.rand(1, generator=g).item()) for s in signal]  # the constant's error sums
+    closer = [e - 0.05 * s + 0.002 * torch.randn(1, generator=g).item() for e, s in zip(noisy, signal)]
+    rows = [
+        {"capacity": "constant", "rollouts": 8, "prompt": {}},
+        {"capacity": "small", "rollouts": 8, "prompt": {}},
+        {"capacity": "small", "rollouts": 16, "prompt": {}},
+        {"capacity": "linear", "rollouts": None, "prompt": {}},
+    ]
+    units = [{"prompt": (noisy, signal)}, {"prompt": (closer, signal)}, {"prompt": (closer, signal)},
+             {"prompt": (noisy, signal)}]  # fmt: skip
+    pc.paired_differences(rows, units)
+    d, lo, hi = rows[1]["prompt"]["vs_constant"]
+    assert d == pytest.approx(sum(closer) / sum(signal) - sum(noisy) / sum(signal)) and lo < d < hi < 0
+    assert d == pytest.approx(-0.05, abs=0.002)
+    _, c_lo, c_hi = intervals.ratio_interval(noisy, signal)
+    _, s_lo, s_hi = intervals.ratio_interval(closer, signal)
+    assert s_hi > c_lo  # unpaired, the two rows' intervals overlap: only the pairing tells them apart
+    assert (hi - lo) < (c_hi - c_lo) / 5
+    assert "vs_constant" not in rows[2]["prompt"]  # no constant at 16 rollouts: nothing to pair with
+    assert "vs_constant" not in rows[0]["prompt"] and rows[0]["prompt"]["vs_linear"][0] == pytest.approx(0)
+    assert "vs_linear" not in rows[3]["prompt"] and "vs_constant" not in rows[3]["prompt"]
 
 
 def test_the_ridge_reads_a_linear_target_and_its_penalty_grows_with_the_noise():
