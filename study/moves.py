@@ -49,6 +49,7 @@ CURVES = {
 }
 SAME_TASK = (models.ORGANISM, "organism-small", "organism-large")  # the size axis: one task, three policies
 ROLLOUTS = 4096  # the pretraining size G* is read at: every curve has it, and the crossover's PPO runs use it
+HEADS = ("small", "medium", "large")  # the capacities every organism's curve fits: the sentence's best is one of them
 FIGURE = "moves.png"
 # experiment -> (its organism, GRPO's runs at the two G either side of the measured G*: the smaller first; the larger's
 # tokens are the PPO runs' budget, sweep.sh's --budget-from)
@@ -105,8 +106,11 @@ def row_at(curve: dict[str, Any], capacity: str, rollouts: int = ROLLOUTS) -> di
 
 
 def best_head(curve: dict[str, Any]) -> str | None:
-    """The fitted capacity with the lowest nmse at the prompt at ROLLOUTS (None: no critic row)."""
-    scored = [(part_of(r, "prompt")[0], cap) for cap in critics_of(curve) if (r := row_at(curve, cap))]
+    """The head (HEADS: a value head on the policy's features) with the lowest nmse at the prompt at ROLLOUTS (None:
+    no head's row). The full critic, its own layers, is no head: a curve that has it (the crossover's) is compared
+    with curves that do not by what every organism's curve holds, and its G* stands in the table beside them."""
+    heads = [cap for cap in critics_of(curve) if cap in HEADS]
+    scored = [(part_of(r, "prompt")[0], cap) for cap in heads if (r := row_at(curve, cap))]
     scored = [(x, cap) for x, cap in scored if finite(x)]
     return min(scored)[1] if scored else None
 

@@ -69,6 +69,10 @@ def test_the_tables_read_g_star_at_4096_rollouts_with_its_interval(folder):
 def test_the_best_head_and_the_sentence(folder):
     organisms = moves.read_organisms(folder)
     assert moves.best_head(organisms["organism-wide"]) == "small" and moves.best_head(organisms["organism"]) == "large"
+    # the full critic (the crossover's curve has it, the others' do not) is no head: never the sentence's best
+    organisms[models.ORGANISM]["rows"].append(row("full", 4096, 0.01))
+    assert moves.best_head(organisms[models.ORGANISM]) == "large"
+    assert "critic full" in "\n".join(moves.g_star_table(organisms))  # the table still shows it
     size, spread = moves.moves_sentence(organisms)
     assert size.index("0.28M (organism-small") < size.index("0.62M (organism,") < size.index("2.41M (organism-large")
     assert "G* 11.0 [7.7, 21.0] at 2.41M" in size
