@@ -57,17 +57,21 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # GRPO's group of G, sized for the organism's CPU preset (256 completions a step). First the critics' learning curve
 # (a step: study/pretrain_critic.py into OUT/crossover/curve, one pool of the frozen policy's rollouts, a critic per
 # capacity and number of rollouts, each measured on 512 held-out prompts against 16-sample Monte Carlo at the prompt
-# and 2 states inside, and the linear read-out beside them), and beside it GRPO at G = 2, 4, 8, 16 with batch x G =
+# and 2 states inside, and the linear read-out beside them; the full critic, a copy of the policy whose own layers may
+# compute what the policy's features do not say, at its learning rate 1e-4, the heads' 1e-3), and beside it GRPO at G = 2, 4, 8, 16 with batch x G =
 # 256 completions a step (the same generated tokens a step) for 50 steps, its baseline measured on 32 completions
 # every 2 steps (G = 16: 16 every step); then, at the tokens of the same seed's G = 8 run, PPO with each capacity's
 # critic pretrained on 4,096 rollouts (156k tokens, a third of the ~490k budget), amortised (its pretraining free, as
-# when one critic serves many runs) and paid (--count-critic-init-tokens: spent from the budget). 3 seeds.
+# when one critic serves many runs) and paid (--count-critic-init-tokens: spent from the budget), and PPO with the full
+# critic pretrained on 16,384 rollouts (the one critic below the constant baseline there), amortised only: its
+# pretraining's 624k tokens exceed the budget. 3 seeds.
 # Estimate on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md: from the committed organism runs'
 # step times): the curve ~10 min beside 12 GRPO runs of ~5.3 min, ~37 min; then 9 amortised PPO runs of ~5.1 min
 # and 9 paid ones of ~3.6 min, ~39 min; ~80 min in all, ~92 with the control (3 x ~5.1 min) and the fit steps
-# (measured 2026-12-07: 1 h 47 min beside other work; the full critic's fit, added after, ~10 min of one thread).
+# (measured 2026-12-07: 1 h 47 min beside other work), ~101 with the full critic (its four fits ~10 min of one
+# thread, in the curve; 3 PPO runs of ~6 min).
 # A stopped sweep resumes where it stopped.
-crossover      curve                 study.pretrain_critic --critics small medium large --rollouts 256 1024 4096 16384 --measure
+crossover      curve                 study.pretrain_critic --critics small medium large full --rollouts 256 1024 4096 16384 --measure
 # the fit's settings: each head fitted again on the curve's first 4,096 rollouts at other learning rates and epochs,
 # measured on the curve's held-out targets (--pool-from: its rollouts and Monte Carlo linked, none sampled again)
 crossover      fit-lr3e-4-e4         study.pretrain_critic --critics small medium large --rollouts 4096 --lr 3e-4 --epochs 4 --measure --pool-from {out}/crossover/curve
@@ -75,9 +79,6 @@ crossover      fit-lr3e-3-e4         study.pretrain_critic --critics small mediu
 crossover      fit-lr1e-2-e4         study.pretrain_critic --critics small medium large --rollouts 4096 --lr 1e-2 --epochs 4 --measure --pool-from {out}/crossover/curve
 crossover      fit-lr1e-3-e16        study.pretrain_critic --critics small medium large --rollouts 4096 --lr 1e-3 --epochs 16 --measure --pool-from {out}/crossover/curve
 crossover      fit-lr3e-3-e16        study.pretrain_critic --critics small medium large --rollouts 4096 --lr 3e-3 --epochs 16 --measure --pool-from {out}/crossover/curve
-# the full critic (a copy of the policy: its own layers, which may compute what the policy's features do not say) on
-# the curve's pool at each number of rollouts, at its learning rate (the heads' 1e-3 is ten times it)
-crossover      fit-lr1e-4-e4         study.pretrain_critic --critics full --rollouts 256 1024 4096 16384 --lr 1e-4 --epochs 4 --measure --pool-from {out}/crossover/curve
 crossover      grpo-group-g2         grpo.py --group-size 2 --batch-size 128 --total-steps 50
 crossover      grpo-group-g4         grpo.py --group-size 4 --batch-size 64 --total-steps 50
 crossover      grpo-group            grpo.py --group-size 8 --batch-size 32 --total-steps 50
@@ -92,6 +93,7 @@ crossover      ppo-large-n4096-amortised   ppo.py --critic large --critic-init {
 crossover      ppo-small-n4096-paid        ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-medium-n4096-paid       ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-large-n4096-paid        ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-full-n16384-amortised   ppo.py --critic full --critic-init {out}/crossover/curve/critic-full-n16384.safetensors --token-budget {tokens} --total-steps {10*steps}
 
 # How the crossover moves (optional, --organism --experiments spread,size): the crossover's measurement on the other
 # organisms (plumbing/models.py ORGANISMS, each built once on first use and cached): the critics' learning curve on

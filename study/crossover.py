@@ -415,8 +415,7 @@ def fit_settings_table(out: Path, curve: dict[str, Any]) -> list[str]:
         "than their intervals suggest: the \"paired\" columns give each critic's nmse less the constant baseline's "
         "(of the same rollouts) and less the linear read-out's with the interval paired over the held-out prompts, "
         "where that noise cancels. The settings were judged on these held-out targets, the ones the curve "
-        "reports: a choice among them is a selection on the measurement. A capacity the curve leaves out (the full "
-        "critic: a copy of the policy, its own layers) is fitted only here, at its own learning rate.",
+        "reports: a choice among them is a selection on the measurement.",
         "",
         *table(head, rows),
     ]

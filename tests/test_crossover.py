@@ -43,8 +43,9 @@ def flag(cmd: list[str], name: str) -> str:
 def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretrained_critic_at_both_prices(tmp_path):
     """./sweep.sh --organism --experiments crossover --dry-run: the curve once (not per seed) into OUT/crossover/curve;
     GRPO at G = 2, 4, 8, 16 with batch x G the organism preset's 256 completions a step, every G the same steps and
-    the same measured completions; PPO with each capacity the curve fits, its critic file one the curve writes, at
-    both prices, the budget read from the same seed's G = 8 run of the crossover (not the head-to-head's)."""
+    the same measured completions; PPO with each head the curve fits, its critic file one the curve writes, at
+    both prices, and with the full critic of the curve's largest n amortised only (its pretraining exceeds the
+    budget), the budget read from the same seed's G = 8 run of the crossover (not the head-to-head's)."""
     out = tmp_path / "out"
     cmds = commands(out)
     steps = [c for c in cmds if "study.pretrain_critic" in c and "--pool-from" not in c]
@@ -54,7 +55,8 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
     assert "--measure" in step and "--seed" not in step and "--run-dir" not in step
     capacities = step[step.index("--critics") + 1 : step.index("--rollouts")]
     rollouts = [int(n) for n in step[step.index("--rollouts") + 1 : step.index("--measure")]]
-    assert capacities == ["small", "medium", "large"] and rollouts == [256, 1024, 4096, 16384]
+    assert capacities == ["small", "medium", "large", "full"] and rollouts == [256, 1024, 4096, 16384]
+    heads = capacities[:-1]
     for seed in (1, 2, 3):
         grpo = [c for c in cmds if "grpo.py" in c and flag(c, "--seed") == str(seed)]
         sizes = {int(flag(c, "--group-size")): c for c in grpo}
@@ -68,7 +70,7 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
             assert flag(c, "--run-dir") == str(out / "crossover" / f"{name}-s{seed}")
         assert len({flag(c, "--total-steps") for c in grpo}) == 1
         ppo = [c for c in cmds if "ppo.py" in c and flag(c, "--seed") == str(seed) and flag(c, "--critic") != "none"]
-        assert len(ppo) == 2 * len(capacities)
+        assert len(ppo) == 2 * len(heads) + 1
         # the control: PPO without a critic (the batch's mean reward) at the same seed's G = 8 budget
         (none,) = [
             c for c in cmds if "ppo.py" in c and flag(c, "--seed") == str(seed) and flag(c, "--critic") == "none"
@@ -82,26 +84,27 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
             assert flag(c, "--token-budget") == f"<generated_tokens of {out / 'crossover' / 'grpo-group'}-s{seed}>"
             price = "paid" if "--count-critic-init-tokens" in c else "amortised"
             assert flag(c, "--run-dir").endswith(f"ppo-{critic}-n{m.group(1)}-{price}-s{seed}")
-        for critic in capacities:
+        for critic in heads:
             prices = sorted("--count-critic-init-tokens" in c for c in ppo if flag(c, "--critic") == critic)
             assert prices == [False, True], critic
-    # the fit's settings: the curve's capacities at an n the PPO runs load, refitted on its pool under other settings
+        (full,) = [c for c in ppo if flag(c, "--critic") == "full"]  # 16,384 rollouts' tokens exceed the budget:
+        assert "--count-critic-init-tokens" not in full and flag(full, "--critic-init").endswith(
+            f"-n{rollouts[-1]}.safetensors"
+        )
+    # the fit's settings: the curve's heads at an n their PPO runs load, refitted on its pool under other settings
     # (none the curve's own: 1e-3, 4 epochs), once for every seed, each after every line that does not read {out}
     fits = [c for c in cmds if "--pool-from" in c]
-    loaded = {int(re.search(r"-n(\d+)\.", flag(c, "--critic-init")).group(1)) for c in cmds if "--critic-init" in c}
+    loaded = {
+        int(re.search(r"-n(\d+)\.", flag(c, "--critic-init")).group(1))
+        for c in cmds
+        if "--critic-init" in c and flag(c, "--critic") != "full"
+    }
     assert len(fits) >= 2 and len({(flag(c, "--lr"), flag(c, "--epochs")) for c in fits}) == len(fits)
     last_grpo = max(i for i, c in enumerate(cmds) if "grpo.py" in c)
-    curve = next(c for c in cmds if flag(c, "--out") == str(out / "crossover" / "curve"))
     for c in fits:
         assert flag(c, "--pool-from") == str(out / "crossover" / "curve") and "--measure" in c and "--seed" not in c
-        rollouts = c[c.index("--rollouts") + 1 :]
-        rollouts = rollouts[: next((i for i, x in enumerate(rollouts) if x.startswith("--")), len(rollouts))]
-        if c[c.index("--critics") + 1 : c.index("--rollouts")] == ["full"]:  # the capacity the curve leaves out:
-            assert rollouts == curve[curve.index("--rollouts") + 1 : curve.index("--measure")]  # at its every n,
-            assert flag(c, "--lr") == "1e-4"  # at the full critic's own learning rate
-        else:
-            assert c[c.index("--critics") + 1 : c.index("--rollouts")] == capacities
-            assert int(flag(c, "--rollouts")) in loaded and (float(flag(c, "--lr")), flag(c, "--epochs")) != (1e-3, "4")
+        assert c[c.index("--critics") + 1 : c.index("--rollouts")] == heads
+        assert int(flag(c, "--rollouts")) in loaded and (float(flag(c, "--lr")), flag(c, "--epochs")) != (1e-3, "4")
         assert flag(c, "--out") == str(out / "crossover" / f"fit-lr{flag(c, '--lr')}-e{flag(c, '--epochs')}")
         assert cmds.index(c) > last_grpo
     assert not out.exists()
