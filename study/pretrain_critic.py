@@ -24,7 +24,7 @@ in (the same sampling settings, checked), so that a curve of the fit's own setti
     python -m study.pretrain_critic --rollouts 4096 --lr 3e-3 --epochs 16 --measure --pool-from OUT --out OUT2
 
 Does not hold: the fit and the critic file (critics.py), the measurement's arithmetic (measure.py), intervals
-(intervals.py), the trainer that uses the critics (ppo.py). Imports the method's modules, never a trainer.
+(intervals.py), the ridge of the linear read-out (study/readout.py), the trainer that uses the critics (ppo.py). Imports the method's modules, never a trainer.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import gsm8k
 import intervals
 import measure
 from plumbing import cmdline, distributed, errors, forward, generation, models, rollout, rundir, runtime
+from study import readout
 
 # The uniform streams of this tool's sampling (rollout.step_uniforms(seed, chunk, stream)): apart from the
 # trainers' (0: a step's rollouts, 1: its Monte Carlo measurement), so that no pretraining rollout repeats a
@@ -551,7 +552,7 @@ class Work:
         the held-out completions: a ridge from each measured state's hidden state to its Monte Carlo mean, the
         prompt states and the states inside apart, cross-fitted over the prompts (FOLDS folds by the prompt's
         place: a completion's values come from the fit that never saw its prompt), the penalty chosen inside each
-        fit by generalised cross-validation (choose_penalty). -> values [N, T] (0 on padding), each fit's penalty
+        fit by generalised cross-validation (readout.choose_penalty). -> values [N, T] (0 on padding), each fit's penalty
         per part"""
         prompts, responses, row, t = held["prompts"], held["responses"], held["row"], held["t"]
         states = critics.response_states(
@@ -567,9 +568,9 @@ class Work:
                 fit = fold[unit] != f
                 if fit.sum() < 3:  # too few states to fit: left at 0
                     continue
-                penalty = choose_penalty(x[fit], y[fit])
+                penalty = readout.choose_penalty(x[fit], y[fit])
                 penalties.setdefault(part, []).append(penalty)
-                predict = ridge(x[fit], y[fit], penalty)
+                predict = readout.ridge(x[fit], y[fit], penalty)
                 for j in (fold == f).nonzero().flatten().tolist():
                     where = slice(0, 1) if part == "prompt" else slice(1, len(responses[j]))
                     values[j, where] = predict(states[j][where].double()).float()
@@ -658,37 +659,6 @@ def grpo_measured(returns: torch.Tensor | None) -> dict[str, dict[str, float]]:
 # fit at the study's 512) the organism's read-out at the prompt finds no penalty that beats the mean, with 8 it reads
 # nmse 0.232 (the issue's probe, a ridge on 1,024 prompts: 0.214-0.231)
 FOLDS = 8
-PENALTIES = tuple(10.0**k for k in range(-5, 5))  # ridge penalties tried, on standardised features, per state
-
-
-def ridge(x: torch.Tensor, y: torch.Tensor, penalty: float) -> Any:
-    """A ridge regression of y [n] on x [n, H], the features standardised by x's own mean and spread and the target
-    centred (the intercept unpenalised), the penalty per state (penalty x n on the diagonal). -> predict(x') [n']"""
-    mean, scale = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-8)
-    z = (x - mean) / scale
-    eye = torch.eye(x.shape[1], dtype=x.dtype)
-    w = torch.linalg.solve(z.T @ z + penalty * len(x) * eye, z.T @ (y - y.mean()))
-    return lambda xs: ((xs - mean) / scale) @ w + y.mean()
-
-
-def choose_penalty(x: torch.Tensor, y: torch.Tensor) -> float:
-    """The penalty of PENALTIES with the least generalised cross-validation error on the fit's own states (Golub,
-    Heath and Wahba 1979: n |y - H y|^2 / (n - tr H - 1)^2, H the ridge's hat matrix, the intercept's degree of
-    freedom counted): the leave-one-out error in closed form, every state of the fit used, none outside it."""
-    z = (x - x.mean(0)) / x.std(0, unbiased=False).clamp_min(1e-8)
-    yc = y - y.mean()
-    u, s, _ = torch.linalg.svd(z, full_matrices=False)
-    uy, n = u.T @ yc, len(x)
-    best, chosen = math.inf, PENALTIES[-1]
-    for penalty in PENALTIES:
-        shrink = s**2 / (s**2 + penalty * n)
-        free = n - shrink.sum().item() - 1  # the residual's degrees of freedom
-        if free < 1:
-            continue
-        gcv = n * ((yc - u @ (shrink * uy)) ** 2).sum().item() / free**2
-        if gcv < best:
-            best, chosen = gcv, penalty
-    return chosen
 
 
 # ======================================================================================================

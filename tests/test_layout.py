@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # its command names (its Args and CPU preset). The root's report.py is the command `python report.py`: study/report.py's
 # entry point, the one module outside study/ that imports it.
 LAYERS = [
-    ["plumbing.errors", "plumbing.threads", "intervals"],
+    ["plumbing.errors", "plumbing.threads", "intervals", "study.readout"],
     ["plumbing.rundir", "plumbing.rollout", "plumbing.models", "plumbing.cmdline"],
     ["plumbing.distributed"],
     ["plumbing.runtime", "plumbing.forward"],

@@ -384,17 +384,17 @@ def test_a_paired_difference_cancels_the_noise_the_prompts_share():
 
 
 def test_the_ridge_reads_a_linear_target_and_its_penalty_grows_with_the_noise():
-    from study import pretrain_critic as pc
+    from study import readout
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 6, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10, 0.1, 1, 1, 1])  # scales differ
     beta = torch.tensor([0.5, -0.02, 3.0, 0.0, 0.1, 0.0], dtype=torch.float64)
     y = 0.3 + x @ beta
-    clean = pc.choose_penalty(x, y)
-    assert clean == min(pc.PENALTIES)
-    assert torch.allclose(pc.ridge(x, y, clean)(x), y, atol=0.05)  # a linear target read back
+    clean = readout.choose_penalty(x, y)
+    assert clean == min(readout.PENALTIES)
+    assert torch.allclose(readout.ridge(x, y, clean)(x), y, atol=0.05)  # a linear target read back
     noise = torch.randn(200, generator=g, dtype=torch.float64)
-    assert pc.choose_penalty(x, noise) > 100 * clean  # nothing to read: the fit shrinks towards the mean
+    assert readout.choose_penalty(x, noise) > 100 * clean  # nothing to read: the fit shrinks towards the mean
 
 
 def test_the_linear_read_out_is_cross_fitted_a_prompts_values_from_the_fold_that_never_saw_it(monkeypatch):
