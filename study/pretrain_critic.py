@@ -675,7 +675,7 @@ def paired_differences(rows: list[dict[str, Any]], units: list[Units]) -> None:
     (intervals.ratio_difference_interval: both sides measured on the same prompts against the same Monte Carlo
     means, whose noise cancels in the difference; two rows' own intervals carry it twice). Written into
     row[part] as [d, lo, hi], negative where the row reads less than the reference; a row is not compared with
-    itself, and no row has a constant of its rollouts but a constant or a critic. rows[i]'s sums are units[i]."""
+    itself, and the linear row (no rollouts) has no constant to pair with. rows[i]'s sums are units[i]."""
     constant = {r["rollouts"]: u for r, u in zip(rows, units) if r["capacity"] == "constant"}
     linear = next((u for r, u in zip(rows, units) if r["capacity"] == "linear"), None)
     for row, own in zip(rows, units):

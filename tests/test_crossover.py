@@ -236,6 +236,21 @@ def test_g_star_and_the_crossings_on_a_known_curve(tmp_path):
             crossover.check_groups(bad)
 
 
+def test_the_curve_table_shows_each_critics_paired_difference_from_the_constant(tmp_path):
+    """The curve table's "vs constant" column reads the row's prompt vs_constant (pretrain_critic's paired
+    differences), signed; a row without one (the constant, a curve made before them) shows '-'."""
+    curve = crossover.read_curve(write_curve(tmp_path))
+    (small,) = [r for r in curve["rows"] if (r["capacity"], r["rollouts"]) == ("small", 4096)]
+    small["prompt"]["vs_constant"] = [-0.021, -0.034, -0.008]
+    lines = crossover.curve_table(curve, (2, 4, 8, 16))
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    column = head.index("vs constant at prompt [95%, paired]")
+    rows = {(c[0], c[1]): c for c in ([x.strip() for x in line.strip("|").split("|")] for line in lines[2:]
+                                      if line.startswith("| "))}  # fmt: skip
+    assert rows["small", "4,096"][column] == "-0.021 [-0.034, -0.008]"
+    assert rows["constant", "4,096"][column] == rows["small", "1,024"][column] == "-"
+
+
 def test_the_fit_settings_table_sets_each_fit_beside_the_curves_own_at_the_same_rollouts(tmp_path):
     """OUT/crossover/fit-*/curve.json (other --lr/--epochs on the curve's pool): each of their critics beside the
     curve's own fit at the same n, the curve's other n left out; none of those folders: no table."""
@@ -245,7 +260,8 @@ def test_the_fit_settings_table_sets_each_fit_beside_the_curves_own_at_the_same_
         r.update(lr=1e-3, epochs=4, final_loss=0.09)
     fit = {"heldout": curve["heldout"], "rows": [
         {"capacity": "small", "rollouts": 4096, "lr": 3e-3, "epochs": 16, "final_loss": 0.08,
-         "prompt": {**part(0.111, 0.02), "vs_constant": [-0.159, -0.2, -0.118]}, "all": part(0.222, 0.02),
+         "prompt": {**part(0.111, 0.02), "vs_constant": [-0.159, -0.2, -0.118]},
+         "all": {**part(0.222, 0.02), "vs_constant": [-0.03, -0.05, -0.01]},
          "value_explained_variance": 0.05},
         {"capacity": "constant", "rollouts": 4096, "prompt": part(0.27, 0.03)},
     ]}  # fmt: skip
@@ -258,6 +274,7 @@ def test_the_fit_settings_table_sets_each_fit_beside_the_curves_own_at_the_same_
     ]  # fmt: skip
     assert rows[1][6].startswith("0.111 [0.091, 0.131]") and rows[1][5] == "0.0800"
     assert rows[1][7] == "-0.159 [-0.200, -0.118]" and rows[1][9].startswith("0.222 [0.202, 0.242]")
+    assert rows[1][10] == "-0.030 [-0.050, -0.010]" and rows[0][10] == "-"  # over all states, where given
     assert rows[0][7] == rows[1][8] == "-"  # a curve with no paired differences (made before them): none shown
     (tmp_path / "crossover" / "fit-broken").mkdir()
     (tmp_path / "crossover" / "fit-broken" / "curve.json").write_text("{")
