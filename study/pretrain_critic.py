@@ -24,7 +24,8 @@ in (the same sampling settings, checked), so that a curve of the fit's own setti
     python -m study.pretrain_critic --rollouts 4096 --lr 3e-3 --epochs 16 --measure --pool-from OUT --out OUT2
 
 Does not hold: the fit and the critic file (critics.py), the measurement's arithmetic (measure.py), intervals
-(intervals.py), the ridge of the linear read-out (study/readout.py), the trainer that uses the critics (ppo.py). Imports the method's modules, never a trainer.
+(intervals.py), the ridge of the linear read-out (study/readout.py), the trainer that uses the critics (ppo.py).
+Imports the method's modules, never a trainer.
 """
 
 from __future__ import annotations
@@ -519,21 +520,20 @@ class Work:
         pred = values[row, t]  # [S] the baseline at each measured state
         extra = dict(weights=held["w"], mc_var=held["var"], signal_var=held["signal_var"])
         pooled = measure.baseline_error_by_state(pred, held["mc"], k, t, groups=row, **extra)
-        units: dict[str, tuple[list[float], list[float]]] = {part: ([], []) for part in measure.STATE_PARTS}
+        parts = {part: name for part, name in zip(measure.STATE_PARTS, ("all", "prompt", "inside")) if part in pooled}
+        units: Units = {name: ([], []) for name in parts.values()}
         for j in range(len(held["prompts"])):  # each prompt's own sums: the units of the interval
             sel = row == j
             own = measure.baseline_error_by_state(
                 pred[sel], held["mc"][sel], k, t[sel], **{key: v[sel] for key, v in extra.items()}
             )
-            for part, (nums, dens) in units.items():
-                nums.append(own[part]["sum_sq_err_nc"] if part in own else 0.0)
-                dens.append(own[part]["sum_signal_var"] if part in own else 0.0)
+            for part, name in parts.items():
+                units[name][0].append(own[part]["sum_sq_err_nc"] if part in own else 0.0)
+                units[name][1].append(own[part]["sum_signal_var"] if part in own else 0.0)
         out: dict[str, Any] = {}
-        for part, name in zip(measure.STATE_PARTS, ("all", "prompt", "inside")):
-            if part not in pooled:
-                continue
+        for part, name in parts.items():
             e = pooled[part]
-            _, lo, hi = intervals.ratio_interval(*units[part])
+            _, lo, hi = intervals.ratio_interval(*units[name])
             out[name] = {
                 "nmse": e["nmse"], "nmse_lo": lo, "nmse_hi": hi, "nmse_centred": e["nmse_centred"],
                 "within_nmse": e["within_nmse"], "explained_variance": e["explained_variance"], "bias": e["bias"],
@@ -544,16 +544,15 @@ class Work:
         mask = (torch.arange(values.shape[1])[None, :] < lengths[:, None]).float()  # [N, T]
         scores = torch.tensor(held["scores"], dtype=torch.float32)[:, None] * mask
         out["value_explained_variance"] = common.explained_variance_masked(values, scores, mask)
-        names = dict(zip(measure.STATE_PARTS, ("all", "prompt", "inside")))
-        return out, {names[part]: sums for part, sums in units.items() if names[part] in out}
+        return out, units
 
     def linear_values(self, held: dict[str, Any]) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """The best linear read-out of the frozen policy's hidden state (what a head reads) as a critic's values on
         the held-out completions: a ridge from each measured state's hidden state to its Monte Carlo mean, the
         prompt states and the states inside apart, cross-fitted over the prompts (FOLDS folds by the prompt's
         place: a completion's values come from the fit that never saw its prompt), the penalty chosen inside each
-        fit by generalised cross-validation (readout.choose_penalty). -> values [N, T] (0 on padding), each fit's penalty
-        per part"""
+        fit by generalised cross-validation (readout.choose_penalty). -> values [N, T] (0 on padding), each fit's
+        penalty per part"""
         prompts, responses, row, t = held["prompts"], held["responses"], held["row"], held["t"]
         states = critics.response_states(
             self.policy, prompts, responses, self.tokenizer.pad_token_id, self.args.micro_batch_size
@@ -652,18 +651,13 @@ def grpo_measured(returns: torch.Tensor | None) -> dict[str, dict[str, float]]:
 
 
 # ======================================================================================================
-# The ceiling's ridge: a linear read-out of features, its penalty chosen by cross-validation
+# Against the references: the linear read-out's folds, each row's paired differences
 # ======================================================================================================
 
 # the linear read-out's cross-fitting over the held-out prompts: each fit sees 7/8 of them. With 2 folds (256 prompts a
 # fit at the study's 512) the organism's read-out at the prompt finds no penalty that beats the mean, with 8 it reads
 # nmse 0.232 (the issue's probe, a ridge on 1,024 prompts: 0.214-0.231)
 FOLDS = 8
-
-
-# ======================================================================================================
-# Files out: curve.json and curve.csv, written atomically
-# ======================================================================================================
 
 
 Units = dict[str, tuple[list[float], list[float]]]  # part of the states -> per-prompt (error sums, signal sums)
@@ -686,6 +680,11 @@ def paired_differences(rows: list[dict[str, Any]], units: list[Units]) -> None:
                 if ref is None or part not in row or part not in ref:
                     continue
                 row[part][key] = list(intervals.ratio_difference_interval(*own[part], *ref[part], paired=True))
+
+
+# ======================================================================================================
+# Files out: curve.json and curve.csv, written atomically
+# ======================================================================================================
 
 
 def finite_or_none(x: Any) -> Any:
