@@ -62,14 +62,14 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # 256 completions a step (the same generated tokens a step) for 50 steps, its baseline measured on 32 completions
 # every 2 steps (G = 16: 16 every step); then, at the tokens of the same seed's G = 8 run, PPO with each capacity's
 # critic pretrained on 4,096 rollouts (156k tokens, a third of the ~490k budget), amortised (its pretraining free, as
-# when one critic serves many runs) and paid (--count-critic-init-tokens: spent from the budget), and PPO with the full
+# when one critic serves many runs), the small head paid too (--count-critic-init-tokens: spent from the budget; the
+# medium and large heads' paid arms read the same and were cut for the 100 minutes, docs/sweep.md), and PPO with the full
 # critic pretrained on 16,384 rollouts (the one critic below the constant baseline there), amortised only: its
 # pretraining's 624k tokens exceed the budget. 3 seeds.
-# Estimate on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md: from the committed organism runs'
-# step times): the curve ~10 min beside 12 GRPO runs of ~5.3 min, ~37 min; then 9 amortised PPO runs of ~5.1 min
-# and 9 paid ones of ~3.6 min, ~39 min; ~80 min in all, ~92 with the control (3 x ~5.1 min) and the fit steps
-# (measured 2026-12-07: 1 h 47 min beside other work), ~101 with the full critic (its four fits ~10 min of one
-# thread, in the curve; 3 PPO runs of ~6 min).
+# On 2 idle cores, 2 runs at once on one thread each (docs/sweep.md), from what one measurement on idle cores gave
+# (2026-12-07, AMD EPYC): the preflight ~1 min; the curve (902 s, the full critic's fits in it) beside the 12 GRPO
+# runs (318-352 s each), ~41 min; the fit steps (39-72 s each) and the 13 PPO runs (~326 s a run, the paid one ~225 s,
+# the full critic's ~500 s), ~53 min: ~95 min in all.
 # A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large full --rollouts 256 1024 4096 16384 --measure
 # the fit's settings: each head fitted again on the curve's first 4,096 rollouts at other learning rates and epochs,
@@ -91,8 +91,6 @@ crossover      ppo-small-n4096-amortised   ppo.py --critic small --critic-init {
 crossover      ppo-medium-n4096-amortised  ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-large-n4096-amortised   ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-small-n4096-paid        ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
-crossover      ppo-medium-n4096-paid       ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
-crossover      ppo-large-n4096-paid        ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-full-n16384-amortised   ppo.py --critic full --critic-init {out}/crossover/curve/critic-full-n16384.safetensors --token-budget {tokens} --total-steps {10*steps}
 
 # How the crossover moves (optional, --organism --experiments spread,size): the crossover's measurement on the other
