@@ -66,10 +66,9 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # medium and large heads' paid arms read the same and were cut for the 100 minutes, docs/sweep.md), and PPO with the full
 # critic pretrained on 16,384 rollouts (the one critic below the constant baseline there), amortised only: its
 # pretraining's 624k tokens exceed the budget. 3 seeds.
-# On 2 idle cores, 2 runs at once on one thread each (docs/sweep.md), from what one measurement on idle cores gave
-# (2026-12-07, AMD EPYC): the preflight ~1 min; the curve (902 s, the full critic's fits in it) beside the 12 GRPO
-# runs (318-352 s each), ~41 min; the fit steps (39-72 s each) and the 13 PPO runs (~326 s a run, the paid one ~225 s,
-# the full critic's ~500 s), ~53 min: ~95 min in all.
+# 95 min on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md: measured 2026-12-07, AMD EPYC): the
+# curve (920 s) beside the 12 GRPO runs (~5 min each), 38 min; the fit steps and the 15 PPO runs (~5 min a run, the
+# paid one ~4, the full critic's ~8), 51 min; the last full-critic run alone and the report.
 # A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large full --rollouts 256 1024 4096 16384 --measure
 # the fit's settings: each head fitted again on the curve's first 4,096 rollouts at other learning rates and epochs,
