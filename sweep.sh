@@ -93,7 +93,7 @@ crossover      ppo-small-n4096-paid        ppo.py --critic small --critic-init {
 crossover      ppo-full-n16384-amortised   ppo.py --critic full --critic-init {out}/crossover/curve/critic-full-n16384.safetensors --token-budget {tokens} --total-steps {10*steps}
 
 # How the crossover moves (optional, --organism --experiments spread,size): the crossover's measurement on the other
-# organisms (plumbing/models.py ORGANISMS, each built once on first use and cached): the critics' learning curve on
+# organisms (plumbing/models.py ORGANISMS, each its shipped build copied into the cache): the critics' learning curve on
 # the frozen starting policy (256, 1,024, 4,096 rollouts; every head; 512 held-out prompts x 20-sample Monte Carlo,
 # K = 20 so that GRPO's group of 16 is measured too), the linear read-out's ceiling and GRPO's leave-one-out mean at
 # G = 2, 4, 8, 16, each against the same Monte Carlo. The organism itself is the crossover experiment's curve.

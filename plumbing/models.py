@@ -4,8 +4,8 @@ Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAME
 resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
 again); load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
 request, so that an offline machine goes straight to the caches; gsm8k.py asks it too); the tiny configs ("tiny",
-"tiny-qwen2"); the organism in the cache (organism_folder: the shipped build copied once, checked; organism_info;
-check_organism_prompt, the one prompt format an organism reads);
+"tiny-qwen2"); the organisms in the cache (organism_folder: each one's shipped build copied once, checked;
+organism_info; check_organism_prompt, the one prompt format an organism reads);
 the memory check a generation batch must pass before the model loads (check_generation_memory, from the model's
 config).
 Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (distributed.py), checkpoints
@@ -15,6 +15,7 @@ Imports only errors.py.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fcntl
 import hashlib
@@ -46,9 +47,9 @@ T = TypeVar("T")
 
 ORGANISM = "organism"  # the model organism: a 0.6M-parameter Qwen2 of multi-step arithmetic (organism.py's build)
 # The named organisms (--model NAME): organism.py's flags beyond --seed, each the same recipe at its defaults but for
-# these knobs. "organism" is the shipped build (hidden 96, 4 layers, 2-3 operations on numbers 0-40); the others are
-# built here on first use and cached: a smaller and a ~4x larger model of the same task, and a task whose problems
-# differ more in difficulty (1-5 operations). The study of how the crossover moves (docs/sweep.md) runs on them.
+# these knobs. "organism" is the study's (hidden 96, 4 layers, 2-3 operations on numbers 0-40); the others, a smaller
+# and a ~4x larger model of the same task, and a task whose problems differ more in difficulty (1-5 operations), are
+# what the study of how the crossover moves (docs/sweep.md) runs on. Each one's build ships (SHIPPED_ORGANISMS).
 ORGANISMS: dict[str, tuple[str, ...]] = {
     ORGANISM: (),
     "organism-small": ("--hidden", "64", "--intermediate", "256"),  # 0.28M parameters
@@ -205,16 +206,24 @@ def resolve_model(name: str) -> Path | str:
 
 
 # ======================================================================================================
-# The organism: the repository's build copied into the cache (or organism.py's, made there), one at a time, checked
+# The organisms: the repository's builds copied into the cache (or organism.py's, made there), one at a time, checked
 # ======================================================================================================
 
 ORGANISM_SEED = 0  # the cached organism's seed, whatever a run's --seed: every run starts from the same model
 ORGANISM_FLAGS: list[str] = []  # organism.py's flags beyond --seed: none, its defaults (the tests build a small one)
 ORGANISM_SCRIPT = Path(__file__).resolve().parents[1] / "organism.py"
-# organism.py's build of seed 0, in the repository: the one the study in docs/organism ran on. A build is the same bit
-# for bit on one machine, not on every machine (seed 0 stopped at 560 steps on one, 530 on another), so every machine
-# starts from this one while it is this organism.py's (why_not_shipped)
-SHIPPED_ORGANISM = Path(__file__).resolve().parents[1] / "organism-seed0"
+# each named organism's build of seed 0 by organism.py, in the repository: the ones the study in docs/organism ran on
+# (the crossover on "organism", how it moves on the others). A build is the same bit for bit on one machine, not on
+# every machine (seed 0 stopped at 560 steps on one, 530 on another), so every machine starts from these while each is
+# this organism.py's build of its recipe (why_not_shipped)
+SHIPPED_ORGANISMS: dict[str, Path] = {
+    ORGANISM: ORGANISM_SCRIPT.parent / "organism-seed0",
+    "organism-small": ORGANISM_SCRIPT.parent / "organism-small-seed0",
+    "organism-large": ORGANISM_SCRIPT.parent / "organism-large-seed0",
+    "organism-wide": ORGANISM_SCRIPT.parent / "organism-wide-seed0",
+}
+# organism.py's Args fields that its record's settings leave out (where it writes, whether it shows a bar)
+UNRECORDED_SETTINGS = ("out", "progress")
 ORGANISM_RECORD = "organism.json"  # written last by organism.py: its settings, report and the sha256 of its files
 ORGANISM_FILES = (  # the files organism.json's sha256 must name: the model, its tokenizer, the task's splits
     "model/config.json", "model/generation_config.json", "model/model.safetensors", "model/tokenizer.json",
@@ -253,10 +262,10 @@ def organism_flags(name: str = ORGANISM) -> list[str]:
 
 def organism_cache_folder(name: str = ORGANISM) -> Path:
     """Where the named organism is cached (it may not be there yet): the folder's name carries a hash of
-    organism.py, its seed, its flags and its source (the shipped build's weights, or a build here), so that a changed
+    organism.py, its seed, its flags and its source (its shipped build's weights, or a build here), so that a changed
     script or recipe builds anew and a build made here while the shipped one was missing or damaged does not stand in
     for it later."""
-    source = f"shipped {shipped_weights()}" if why_not_shipped(name) is None else "built here"
+    source = f"shipped {shipped_weights(name)}" if why_not_shipped(name) is None else "built here"
     build = f"|seed {ORGANISM_SEED}|{' '.join(organism_flags(name))}|{source}".encode()
     key = hashlib.sha256(ORGANISM_SCRIPT.read_bytes() + build).hexdigest()[:12]
     return cache_root() / f"{name}-{key}"
@@ -264,13 +273,13 @@ def organism_cache_folder(name: str = ORGANISM) -> Path:
 
 def organism_folder(name: str = ORGANISM) -> Path:
     """The named organism's folder in the cache (model/, data/, organism.json; organism_cache_folder), made on first
-    use: the repository's build copied in (SHIPPED_ORGANISM, while it is this organism.py's: "organism" only), or
-    else organism.py run once with its own seed (ORGANISM_SEED) and the recipe's flags, in a new process; either into
-    a temporary folder renamed into place. Processes that start together (a sweep's jobs, torchrun's ranks) make it
-    once: the others wait on a lock. Its files are checked against the sha256 that organism.json records, once per
-    process; a damaged copy is moved aside, said in one line, and made again."""
+    use: the repository's build of it copied in (SHIPPED_ORGANISMS, while it is this organism.py's build of the
+    recipe: why_not_shipped), or else organism.py run once with its own seed (ORGANISM_SEED) and the recipe's flags,
+    in a new process; either into a temporary folder renamed into place. Processes that start together (a sweep's
+    jobs, torchrun's ranks) make it once: the others wait on a lock. Its files are checked against the sha256 that
+    organism.json records, once per process; a damaged copy is moved aside, said in one line, and made again."""
     flags = organism_flags(name)
-    inputs = (str(ORGANISM_SCRIPT), str(ORGANISM_SEED), *flags, str(SHIPPED_ORGANISM), str(cache_root()))
+    inputs = (str(ORGANISM_SCRIPT), str(ORGANISM_SEED), *flags, str(SHIPPED_ORGANISMS.get(name)), str(cache_root()))
     if inputs in _ORGANISM_CHECKED:
         return _ORGANISM_CHECKED[inputs]
     folder = organism_cache_folder(name)
@@ -318,29 +327,73 @@ def file_sha256(path: Path) -> str:
 
 
 def why_not_shipped(name: str = ORGANISM) -> str | None:
-    """Why the repository's build (SHIPPED_ORGANISM) is not the one organism_folder would build for the named
-    organism, or None when it is: made by this organism.py (its record's script_sha256), of ORGANISM_SEED, with no
-    other flags, its files as recorded. organism.py reads its defaults itself, so a changed default is a changed
-    script."""
-    if name != ORGANISM:
-        return f"the repository ships {ORGANISM} alone"
-    if not SHIPPED_ORGANISM.is_dir():
-        return f"{SHIPPED_ORGANISM.name}/ is not in this checkout"
-    if flags := organism_flags(name):
-        return f"it was built without organism.py's flags {' '.join(flags)}"
-    if (why := organism_damage(SHIPPED_ORGANISM)) is not None:
+    """Why the repository's build of the named organism (SHIPPED_ORGANISMS) is not the one organism_folder would
+    build, or None when it is: its files as recorded, of ORGANISM_SEED, made by this organism.py (its record's
+    script_sha256), with the settings its flags give (recipe_settings: organism.py's defaults but for the recipe's
+    knobs, and the tests' ORGANISM_FLAGS). organism.py reads its defaults itself, so a changed default is a changed
+    script; a changed recipe in ORGANISMS, or a build of another recipe in the folder, is a difference of settings."""
+    shipped = SHIPPED_ORGANISMS.get(name)
+    if shipped is None:
+        return f"the repository ships no build of {name}"
+    if not shipped.is_dir():
+        return f"{shipped.name}/ is not in this checkout"
+    if (why := organism_damage(shipped)) is not None:
         return f"it is damaged: {why}"
-    record = json.loads((SHIPPED_ORGANISM / ORGANISM_RECORD).read_text())
+    record = json.loads((shipped / ORGANISM_RECORD).read_text())
     if record.get("settings", {}).get("seed") != ORGANISM_SEED:
         return f"it is not seed {ORGANISM_SEED}'s build"
     if record.get("script_sha256") != file_sha256(ORGANISM_SCRIPT):
         return "organism.py has changed since it was built"
+    if differ := settings_differ(record.get("settings", {}), recipe_settings(name)):
+        recipe = " ".join(organism_flags(name)) or "at its defaults"
+        return f"it was built with other settings than organism.py {recipe} gives: {differ}"
     return None
 
 
-def shipped_weights() -> str:
-    """The sha256 of the shipped build's weights, as its record holds it."""
-    return json.loads((SHIPPED_ORGANISM / ORGANISM_RECORD).read_text())["sha256"]["model/model.safetensors"]
+def recipe_settings(name: str = ORGANISM) -> dict[str, Any]:
+    """The settings organism.py records for the named organism's build: its Args' defaults, read from the script's
+    text (plumbing does not import the recipe, which imports plumbing), overridden by the organism's flags
+    (organism_flags: each --knob VALUE read as its default's type) and by ORGANISM_SEED; without the fields it leaves
+    out of its record (UNRECORDED_SETTINGS)."""
+    settings = {**_script_defaults(ORGANISM_SCRIPT), "seed": ORGANISM_SEED}
+    flags = organism_flags(name)
+    for flag, value in zip(flags, [*flags[1:], None]):
+        key = flag[2:].replace("-", "_")
+        if flag.startswith("--") and value is not None and key in settings and key != "seed":
+            settings[key] = type(settings[key])(value)
+    return {k: v for k, v in settings.items() if k not in UNRECORDED_SETTINGS}
+
+
+def _script_defaults(script: Path) -> dict[str, Any]:
+    """organism.py's Args defaults, {field: value}, from its text (each `field: type = literal` of class Args); none
+    where the script holds no such class."""
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == "Args":
+            return {
+                field.target.id: ast.literal_eval(field.value)
+                for field in node.body
+                if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and field.value is not None
+            }
+    return {}
+
+
+def settings_differ(recorded: dict[str, Any], expected: dict[str, Any]) -> str:
+    """How a build's recorded settings differ from the expected ones ("hidden 96, not 64; lr missing"), or "" when
+    they are the same."""
+    said = []
+    for key in [*expected, *(k for k in recorded if k not in expected)]:
+        if key not in recorded:
+            said.append(f"{key} missing")
+        elif key not in expected:
+            said.append(f"{key} {recorded[key]}, not a setting of organism.py")
+        elif recorded[key] != expected[key]:
+            said.append(f"{key} {recorded[key]}, not {expected[key]}")
+    return "; ".join(said)
+
+
+def shipped_weights(name: str = ORGANISM) -> str:
+    """The sha256 of the named organism's shipped build's weights, as its record holds it."""
+    return json.loads((SHIPPED_ORGANISMS[name] / ORGANISM_RECORD).read_text())["sha256"]["model/model.safetensors"]
 
 
 def _build_organism(folder: Path, name: str = ORGANISM) -> None:
@@ -351,20 +404,21 @@ def _build_organism(folder: Path, name: str = ORGANISM) -> None:
     trainer's stop signal is installed) leaves organism.py running, and its folder to the next build."""
     _remove_unfinished_builds(folder)
     tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    what = "the organism" if name == ORGANISM else name
     if (why := why_not_shipped(name)) is None:
+        shipped = SHIPPED_ORGANISMS[name]
         try:
-            shutil.copytree(SHIPPED_ORGANISM, tmp)
+            shutil.copytree(shipped, tmp)
             if (damage := organism_damage(tmp)) is not None:  # changed while it was copied (a checkout)
-                raise UserError(f"the copy of {SHIPPED_ORGANISM} is not the shipped build: {damage}")
+                raise UserError(f"the copy of {shipped} is not the shipped build: {damage}")
             os.rename(tmp, folder)
         except OSError as e:  # a full disk, a folder that cannot be written
-            raise UserError(f"copying {SHIPPED_ORGANISM} into {folder.parent} failed: {e}") from e
+            raise UserError(f"copying {shipped} into {folder.parent} failed: {e}") from e
         finally:
             _remove_unfinished_builds(folder)
-        print(f"the organism: the repository's build ({SHIPPED_ORGANISM.name}/) copied into {folder}", flush=True)
+        print(f"{what}: the repository's build ({shipped.name}/) copied into {folder}", flush=True)
         return
     flags = organism_flags(name)
-    what = "the organism" if name == ORGANISM else name
     recipe = " ".join(["--seed", str(ORGANISM_SEED), *flags])
     print(f"building {what} once (organism.py {recipe}, a few minutes; not the repository's build, {why}); cached in "
           f"{folder}", flush=True)  # fmt: skip
@@ -637,7 +691,7 @@ def check_generation_memory(
     global _MEMORY_CHECKED
     _MEMORY_CHECKED = (model, device, batches)
     if is_organism(model) and not organism_cache_folder(model).is_dir():
-        return  # not cached yet: ~0.6M parameters never fill a device, and the refusals before its copy come first
+        return  # not cached yet: 2.4M parameters at most never fill a device; the refusals before its copy come first
     try:
         config = _model_config(model)
     except UserError:

@@ -76,7 +76,7 @@ def card(name: str, curve: dict[str, Any]) -> dict[str, Any]:
     ROLLOUTS (the spread: 0 when every prompt is as hard as the next)."""
     built = curve.get("organism")
     if built is None and name == models.ORGANISM:
-        built = json.loads((models.SHIPPED_ORGANISM / models.ORGANISM_RECORD).read_text())
+        built = json.loads((models.SHIPPED_ORGANISMS[name] / models.ORGANISM_RECORD).read_text())
     settings, report = (built or {}).get("settings", {}), (built or {}).get("report", {})
     held = curve.get("heldout", {})
     constant = row_at(curve, "constant")

@@ -109,7 +109,7 @@ def test_the_section_and_its_figure_and_none_without_the_other_organisms(folder,
 def test_a_curve_without_a_card_of_its_own_reads_the_shipped_build(folder):
     curve = json.loads((folder / moves.CURVES[models.ORGANISM]).read_text())
     del curve["organism"]  # the crossover's curve, made before curves carried the card
-    shipped = json.loads((models.SHIPPED_ORGANISM / models.ORGANISM_RECORD).read_text())["report"]
+    shipped = json.loads((models.SHIPPED_ORGANISMS[models.ORGANISM] / models.ORGANISM_RECORD).read_text())["report"]
     assert moves.card(models.ORGANISM, curve)["parameters"] == shipped["parameters"] == 616_896
 
 

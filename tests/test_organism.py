@@ -526,7 +526,7 @@ def test_a_run_on_the_organism_refuses_the_chat_prompt_before_building_it(name, 
 # the repository's build (organism-seed0/): this organism.py's, copied into the cache, of the starting point's quality
 # ------------------------------------------------------------------------------------------------------
 
-SHIPPED = models.SHIPPED_ORGANISM
+SHIPPED = models.SHIPPED_ORGANISMS[models.ORGANISM]
 REMAKE = f"rm -r {SHIPPED.name} && python organism.py --out {SHIPPED.name}"
 
 
@@ -575,10 +575,11 @@ def test_why_not_shipped_names_each_reason(tmp_path, monkeypatch):
         assert models.why_not_shipped() == "it is not seed 1's build"
     with monkeypatch.context() as m:
         m.setattr(models, "ORGANISM_FLAGS", ["--hidden", "64"])
-        assert models.why_not_shipped() == "it was built without organism.py's flags --hidden 64"
+        said = models.why_not_shipped()
+        assert said == "it was built with other settings than organism.py --hidden 64 gives: hidden 96, not 64"
     copy = tmp_path / SHIPPED.name
     shutil.copytree(SHIPPED, copy)
-    monkeypatch.setattr(models, "SHIPPED_ORGANISM", copy)
+    monkeypatch.setitem(models.SHIPPED_ORGANISMS, models.ORGANISM, copy)
     monkeypatch.setenv("RLVR_CACHE", str(tmp_path / "cache"))
     key = models.organism_cache_folder()  # named by its source too: a build made here never stands in for it
     (copy / "organism.json").unlink()
