@@ -63,12 +63,12 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # every 2 steps (G = 16: 16 every step); then, at the tokens of the same seed's G = 8 run, PPO with each capacity's
 # critic pretrained on 4,096 rollouts (156k tokens, a third of the ~490k budget), amortised (its pretraining free, as
 # when one critic serves many runs), the small head paid too (--count-critic-init-tokens: spent from the budget; the
-# medium and large heads' paid arms read the same and were cut for the 100 minutes, docs/sweep.md), and PPO with the full
-# critic pretrained on 16,384 rollouts (the one critic below the constant baseline there), amortised only: its
+# medium and large heads' paid arms read the same and were cut for the 100 minutes, docs/sweep.md), and PPO with the
+# full critic pretrained on 16,384 rollouts (the one critic below the constant baseline there), amortised only: its
 # pretraining's 624k tokens exceed the budget. 3 seeds.
 # 95 min on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md: measured 2026-12-07, AMD EPYC): the
-# curve (920 s) beside the 12 GRPO runs (~5 min each), 38 min; the fit steps and the 15 PPO runs (~5 min a run, the
-# paid one ~4, the full critic's ~8), 51 min; the last full-critic run alone and the report.
+# curve (920 s) beside the 12 GRPO runs (~5 min each), 40 min; the fit steps and the 18 PPO runs (~5 min a run,
+# the paid ones ~4, the full critic's ~8), 55 min, the last full-critic run alone at its end; then the report.
 # A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large full --rollouts 256 1024 4096 16384 --measure
 # the fit's settings: each head fitted again on the curve's first 4,096 rollouts at other learning rates and epochs,

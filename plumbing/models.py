@@ -344,7 +344,11 @@ def why_not_shipped(name: str = ORGANISM) -> str | None:
         return f"it is not seed {ORGANISM_SEED}'s build"
     if record.get("script_sha256") != file_sha256(ORGANISM_SCRIPT):
         return "organism.py has changed since it was built"
-    if differ := settings_differ(record.get("settings", {}), recipe_settings(name)):
+    try:
+        expected = recipe_settings(name)
+    except (ValueError, SyntaxError) as e:  # a flag organism.py would refuse, or a default ast cannot read
+        return f"its recipe cannot be read as organism.py's settings: {e}"
+    if differ := settings_differ(record.get("settings", {}), expected):
         recipe = " ".join(organism_flags(name)) or "at its defaults"
         return f"it was built with other settings than organism.py {recipe} gives: {differ}"
     return None
@@ -353,14 +357,30 @@ def why_not_shipped(name: str = ORGANISM) -> str | None:
 def recipe_settings(name: str = ORGANISM) -> dict[str, Any]:
     """The settings organism.py records for the named organism's build: its Args' defaults, read from the script's
     text (plumbing does not import the recipe, which imports plumbing), overridden by the organism's flags
-    (organism_flags: each --knob VALUE read as its default's type) and by ORGANISM_SEED; without the fields it leaves
-    out of its record (UNRECORDED_SETTINGS)."""
+    (organism_flags, read as argparse reads them: `--knob VALUE` or `--knob=VALUE` in dashes or underscores as its
+    default's type, a boolean's `--knob` / `--no-knob`) and by ORGANISM_SEED; without the fields it leaves out of its
+    record (UNRECORDED_SETTINGS). A flag that is not one of its settings (or is --seed, --out), or a value not of its
+    default's type, is a ValueError that names it: organism.py would refuse it or build something else."""
     settings = {**_script_defaults(ORGANISM_SCRIPT), "seed": ORGANISM_SEED}
-    flags = organism_flags(name)
-    for flag, value in zip(flags, [*flags[1:], None]):
-        key = flag[2:].replace("-", "_")
-        if flag.startswith("--") and value is not None and key in settings and key != "seed":
-            settings[key] = type(settings[key])(value)
+    flags = list(organism_flags(name))
+    while flags:
+        flag = flags.pop(0)
+        key, eq, value = flag.partition("=")
+        field = key[2:].replace("-", "_")
+        negated = field.startswith("no_") and isinstance(settings.get(field[3:]), bool)
+        if not key.startswith("--") or field in ("seed", "out") or (field not in settings and not negated):
+            raise ValueError(f"{flag} is not a setting organism.py records")
+        if negated or isinstance(settings[field], bool):  # a boolean: --knob or --no-knob, no value
+            settings[field[3:] if negated else field] = not negated
+            continue
+        if not eq:
+            if not flags:
+                raise ValueError(f"{flag} has no value")
+            value = flags.pop(0)
+        try:
+            settings[field] = type(settings[field])(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{flag} {value}: expected {type(settings[field]).__name__}") from None
     return {k: v for k, v in settings.items() if k not in UNRECORDED_SETTINGS}
 
 

@@ -2,7 +2,7 @@
 
 Reads a sweep's crossover parts: OUT/crossover/curve/curve.json (study/pretrain_critic.py --measure: each capacity's
 nmse after n pretraining rollouts, on held-out prompts against Monte Carlo, with its 95% interval) and the crossover
-experiment's runs (GRPO at each G, PPO with each pretrained critic at both prices; read by read_runs.py, pooled by
+experiment's runs (GRPO at each G, PPO with each pretrained critic, amortised or paid; read by read_runs.py, pooled by
 report.summarize). Holds: reading and checking curve.json, the section of report.md "Where the crossover lies" (the
 learning curve beside GRPO's 1/(G-1) for each G; each capacity's critic-equivalent group G* = 1 + 1/nmse with its
 interval and the half-width reached; the rollouts at which each critic crosses each G; accuracy at matched compute

@@ -22,7 +22,7 @@ from test_organism import TINY_FLAGS, flags
 
 import intervals
 import measure
-from plumbing import models, runtime
+from plumbing import cmdline, models, runtime
 
 BUILT = [name for name in models.ORGANISMS if name != models.ORGANISM]
 
@@ -99,16 +99,13 @@ def shipped_record(name: str) -> dict:
 
 
 def recipe_defaults(name: str) -> dict:
-    """organism.py's Args at its defaults but for the recipe's knobs, as its record's settings: read by importing
-    organism.py, not as models.recipe_settings reads them (the script's text), so that each checks the other."""
+    """organism.py's Args at its defaults but for the recipe's knobs, as its record's settings: parsed by
+    organism.py's own command line (cmdline.parse_args on its Args), not as models.recipe_settings reads them (the
+    script's text, the flags by hand), so that each checks the other."""
     import organism
 
-    args = organism.Args(seed=models.ORGANISM_SEED)
-    knobs = models.ORGANISMS[name]
-    for key, value in zip(knobs[::2], knobs[1::2]):
-        field = key[2:].replace("-", "_")
-        setattr(args, field, type(getattr(args, field))(value))
-    return {k: v for k, v in dataclasses.asdict(args).items() if k not in ("out", "progress")}
+    args = cmdline.parse_args(organism.Args, ["--seed", str(models.ORGANISM_SEED), *models.ORGANISMS[name]])
+    return {k: v for k, v in dataclasses.asdict(args).items() if k not in models.UNRECORDED_SETTINGS}
 
 
 @pytest.mark.parametrize("name", list(models.ORGANISMS))
@@ -239,6 +236,29 @@ def test_a_changed_recipe_or_a_new_one_is_not_the_shipped_build(monkeypatch):
             assert models.why_not_shipped(name).endswith("gives: max_number 40, not 30"), name
     monkeypatch.setitem(models.ORGANISMS, "organism-new", ("--hidden", "48"))
     assert models.why_not_shipped("organism-new") == "the repository ships no build of organism-new"
+
+
+# why_not_shipped's reason for a recipe flag it cannot read
+UNREAD = "its recipe cannot be read as organism.py's settings: "
+
+
+@pytest.mark.parametrize("knobs, why", [
+    (("--hidden=64", "--intermediate", "256"), None),  # argparse's other spelling: the same build
+    (("--hidden", "64", "--intermediate", "256", "--target-accuracy=0.5"), "gives: target_accuracy 0.4, not 0.5"),
+    (("--hidden", "64", "--intermediate_256"), UNREAD + "--intermediate_256 is not a setting organism.py records"),
+    (("--hiden", "80"), UNREAD + "--hiden is not a setting organism.py records"),
+    (("--hidden", "64", "--intermediate", "256", "--seed", "1"),
+     UNREAD + "--seed is not a setting organism.py records"),
+    (("--hidden", "64", "--max-steps", "4e3"), UNREAD + "--max-steps 4e3: expected int"),
+    (("--hidden", "64", "--intermediate"), UNREAD + "--intermediate has no value"),
+])  # fmt: skip
+def test_a_recipe_is_read_as_organism_py_reads_its_flags(knobs, why, monkeypatch):
+    """organism-small's recipe spelled another way argparse takes is its shipped build; a knob in the `=` form is
+    read (and here differs); a flag organism.py has not, --seed, a value not of its default's type or a flag without
+    its value is a reason in one line, never an exception out of every run on the name, and the name is built."""
+    monkeypatch.setitem(models.ORGANISMS, "organism-small", knobs)
+    said = models.why_not_shipped("organism-small")
+    assert said == why if why is None or why.startswith(UNREAD) else said.endswith(why), said
 
 
 def test_the_tests_tiny_builds_never_take_a_shipped_one(tiny_recipes):
