@@ -3,7 +3,8 @@
 Holds: parse (tyro with a given instance as its defaults; a bad flag or value a UserError of one line, not tyro's box),
 parse_args (the same with the class's own defaults), help_opening and fill (--help's first paragraph, any paragraph),
 tyro_message (tyro's error box as one line), flag_value and given_fields (what the flags say before tyro parses them),
-trainer_flags and foreign_flags (a flag one trainer lacks and another has: named as the other's), trainer_default.
+trainer_flags and foreign_flags (a flag one trainer lacks and another has: named as the other's), trainer_default and
+script_defaults (a script's Args defaults read from its source).
 Does not hold: the trainers' two presets and the device they depend on (runtime.cli), any script's Args. Imports
 errors only: the trainers' flags are read from their source files (ast), never imported.
 """
@@ -85,7 +86,8 @@ TRAINERS = ("ppo.py", "grpo.py", "dpo.py")
 
 @functools.cache
 def _trainer_fields(script: str) -> dict[str, ast.AnnAssign]:
-    """The fields of a trainer's Args, read from its source with ast: name -> its line."""
+    """The fields of a script's Args (a trainer's, organism.py's), read from its source with ast: name -> its line.
+    script: a path from the project's root, or an absolute one."""
     tree = ast.parse((ROOT / script).read_text())
     args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
     return {n.target.id: n for n in args.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
@@ -94,6 +96,13 @@ def _trainer_fields(script: str) -> dict[str, ast.AnnAssign]:
 def trainer_flags(script: str) -> frozenset[str]:
     """The fields of a trainer's Args that are flags (not tyro.conf.Suppress)."""
     return frozenset(k for k, n in _trainer_fields(script).items() if "Suppress" not in ast.unparse(n.annotation))
+
+
+def script_defaults(script: str | Path) -> dict[str, Any]:
+    """A script's Args defaults, {field: its literal}, read from its source (a field without a default left out), for
+    a module that may not import the script (plumbing/models.py reading organism.py's). A default that is not a
+    literal is a ValueError."""
+    return {k: ast.literal_eval(n.value) for k, n in _trainer_fields(str(script)).items() if n.value is not None}
 
 
 def trainer_default(script: str, name: str) -> Any:

@@ -10,12 +10,11 @@ the memory check a generation batch must pass before the model loads (check_gene
 config).
 Does not hold: wrapping or sharding a loaded model, whole-weight copies, autocast (distributed.py), checkpoints
 (checkpoint.py), generation or the training forward (generation.py, forward.py).
-Imports only errors.py.
+Imports errors.py and cmdline.py (organism.py's Args defaults, read from its source: never imported).
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import fcntl
 import hashlib
@@ -36,6 +35,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.nn as nn
 
+from plumbing import cmdline
 from plumbing.errors import UserError
 
 T = TypeVar("T")
@@ -217,10 +217,7 @@ ORGANISM_SCRIPT = Path(__file__).resolve().parents[1] / "organism.py"
 # every machine (seed 0 stopped at 560 steps on one, 530 on another), so every machine starts from these while each is
 # this organism.py's build of its recipe (why_not_shipped)
 SHIPPED_ORGANISMS: dict[str, Path] = {
-    ORGANISM: ORGANISM_SCRIPT.parent / "organism-seed0",
-    "organism-small": ORGANISM_SCRIPT.parent / "organism-small-seed0",
-    "organism-large": ORGANISM_SCRIPT.parent / "organism-large-seed0",
-    "organism-wide": ORGANISM_SCRIPT.parent / "organism-wide-seed0",
+    name: ORGANISM_SCRIPT.parent / f"{name}-seed{ORGANISM_SEED}" for name in ORGANISMS
 }
 # organism.py's Args fields that its record's settings leave out (where it writes, whether it shows a bar)
 UNRECORDED_SETTINGS = ("out", "progress")
@@ -361,7 +358,7 @@ def recipe_settings(name: str = ORGANISM) -> dict[str, Any]:
     default's type, a boolean's `--knob` / `--no-knob`) and by ORGANISM_SEED; without the fields it leaves out of its
     record (UNRECORDED_SETTINGS). A flag that is not one of its settings (or is --seed, --out), or a value not of its
     default's type, is a ValueError that names it: organism.py would refuse it or build something else."""
-    settings = {**_script_defaults(ORGANISM_SCRIPT), "seed": ORGANISM_SEED}
+    settings = {**cmdline.script_defaults(ORGANISM_SCRIPT), "seed": ORGANISM_SEED}
     flags = list(organism_flags(name))
     while flags:
         flag = flags.pop(0)
@@ -382,19 +379,6 @@ def recipe_settings(name: str = ORGANISM) -> dict[str, Any]:
         except (TypeError, ValueError):
             raise ValueError(f"{flag} {value}: expected {type(settings[field]).__name__}") from None
     return {k: v for k, v in settings.items() if k not in UNRECORDED_SETTINGS}
-
-
-def _script_defaults(script: Path) -> dict[str, Any]:
-    """organism.py's Args defaults, {field: value}, from its text (each `field: type = literal` of class Args); none
-    where the script holds no such class."""
-    for node in ast.parse(script.read_text()).body:
-        if isinstance(node, ast.ClassDef) and node.name == "Args":
-            return {
-                field.target.id: ast.literal_eval(field.value)
-                for field in node.body
-                if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and field.value is not None
-            }
-    return {}
 
 
 def settings_differ(recorded: dict[str, Any], expected: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """The crossover study: its plan (GRPO's G as an axis at batch x G constant, the critics' learning curve as a step,
-PPO with each pretrained critic (the small head at both prices) and its budget from its own G = 8 run), the runs' names, and its
-report section and figure (study/crossover.py) on known inputs: a synthetic curve.json and synthetic runs whose
+PPO with each pretrained critic (the small head at both prices) and its budget from its own G = 8 run), the runs'
+names, and its report section and figure (study/crossover.py) on known inputs: a synthetic curve.json and synthetic runs whose
 numbers the tests compute again on their own. The end to end run of a small crossover plan is in the slow lane.
 """
 

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # entry point, the one module outside study/ that imports it.
 LAYERS = [
     ["plumbing.errors", "plumbing.threads", "intervals", "study.readout"],
-    ["plumbing.rundir", "plumbing.rollout", "plumbing.models", "plumbing.cmdline"],
+    ["plumbing.rundir", "plumbing.rollout", "plumbing.cmdline"],
+    ["plumbing.models"],
     ["plumbing.distributed"],
     ["plumbing.runtime", "plumbing.forward"],
     ["plumbing.logs", "plumbing.checkpoint", "plumbing.static_kernels"],
