@@ -61,14 +61,15 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # compute what the policy's features do not say, at its learning rate 1e-4, the heads' 1e-3), and beside it GRPO at G = 2, 4, 8, 16 with batch x G =
 # 256 completions a step (the same generated tokens a step) for 50 steps, its baseline measured on 32 completions
 # every 2 steps (G = 16: 16 every step); then, at the tokens of the same seed's G = 8 run, PPO with each capacity's
-# critic pretrained on 4,096 rollouts (156k tokens, a third of the ~490k budget), amortised (its pretraining free, as
-# when one critic serves many runs), the small head paid too (--count-critic-init-tokens: spent from the budget; the
-# medium and large heads' paid arms read the same and were cut for the 100 minutes, docs/sweep.md), and PPO with the
-# full critic pretrained on 16,384 rollouts (the one critic below the constant baseline there), amortised only: its
-# pretraining's 624k tokens exceed the budget. 3 seeds.
-# 95 min on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md: measured 2026-12-07, AMD EPYC): the
-# curve (920 s) beside the 12 GRPO runs (~5 min each), 40 min; the fit steps and the 18 PPO runs (~5 min a run,
-# the paid ones ~4, the full critic's ~8), 55 min, the last full-critic run alone at its end; then the report.
+# critic pretrained on 4,096 rollouts (156k tokens, a third of the ~490k budget) at both prices: paid (its
+# pretraining's tokens spent from the budget: --count-critic-init-tokens) and amortised (free, as when one critic
+# serves many runs); under the constant learning rate the paid run is the amortised one stopped early, step for step,
+# so the sweep continues each paid run's last checkpoint into its amortised twin rather than train those steps twice
+# (study/twins.py). And PPO with the full critic pretrained on 16,384 rollouts (the one critic below
+# the constant baseline there), amortised only: its pretraining's 624k tokens exceed the budget. 3 seeds.
+# ~92 min on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md): the curve (920 s) beside the 12 GRPO
+# runs (~5 min each), 40 min; the fit steps and the 21 PPO runs (none ~5 min, paid ~4, the amortised ones' ~2 after
+# their paid twin, the full critic's ~8); then the report.
 # A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large full --rollouts 256 1024 4096 16384 --measure
 # the fit's settings: each head fitted again on the curve's first 4,096 rollouts at other learning rates and epochs,
@@ -85,12 +86,14 @@ crossover      grpo-group-g16        grpo.py --group-size 16 --batch-size 16 --t
 # the control: PPO without a critic (its baseline the batch's mean reward, the same for every token) at the same
 # budget, so that what a pretrained critic adds is read against PPO itself, not only against GRPO, which differs from
 # PPO in more than its baseline (prompts a step, the advantage's scale)
-crossover      ppo-none              ppo.py --critic none --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-none                    ppo.py --critic none --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-full-n16384-amortised   ppo.py --critic full --critic-init {out}/crossover/curve/critic-full-n16384.safetensors --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-small-n4096-paid        ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-medium-n4096-paid       ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+crossover      ppo-large-n4096-paid        ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-small-n4096-amortised   ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-medium-n4096-amortised  ppo.py --critic medium --critic-init {out}/crossover/curve/critic-medium-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
 crossover      ppo-large-n4096-amortised   ppo.py --critic large --critic-init {out}/crossover/curve/critic-large-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
-crossover      ppo-small-n4096-paid        ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
-crossover      ppo-full-n16384-amortised   ppo.py --critic full --critic-init {out}/crossover/curve/critic-full-n16384.safetensors --token-budget {tokens} --total-steps {10*steps}
 
 # How the crossover moves (optional, --organism --experiments spread,size): the crossover's measurement on the other
 # organisms (plumbing/models.py ORGANISMS, each its shipped build copied into the cache): the critics' learning curve on
@@ -109,14 +112,14 @@ size           curve-large           study.pretrain_critic --model organism-larg
 # GRPO ~8.5 min a run, PPO ~9.5 amortised and ~6.5 paid), organism-large 15 runs of a policy 3.9x the organism's (~3 h)
 spread         grpo-group-g2         grpo.py --model organism-wide --group-size 2 --batch-size 128 --total-steps 50
 spread         grpo-group-g4         grpo.py --model organism-wide --group-size 4 --batch-size 64 --total-steps 50
-spread         ppo-none              ppo.py --model organism-wide --critic none --token-budget {tokens} --total-steps {10*steps}
-spread         ppo-large-n4096-amortised  ppo.py --model organism-wide --critic large --critic-init {out}/spread/curve-wide/critic-large-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
-spread         ppo-large-n4096-paid       ppo.py --model organism-wide --critic large --critic-init {out}/spread/curve-wide/critic-large-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+spread         ppo-none                    ppo.py --model organism-wide --critic none --token-budget {tokens} --total-steps {10*steps}
+spread         ppo-large-n4096-amortised   ppo.py --model organism-wide --critic large --critic-init {out}/spread/curve-wide/critic-large-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
+spread         ppo-large-n4096-paid        ppo.py --model organism-wide --critic large --critic-init {out}/spread/curve-wide/critic-large-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 size           grpo-group-g4         grpo.py --model organism-large --group-size 4 --batch-size 64 --total-steps 50
 size           grpo-group            grpo.py --model organism-large --group-size 8 --batch-size 32 --total-steps 50
-size           ppo-none              ppo.py --model organism-large --critic none --token-budget {tokens} --total-steps {10*steps}
-size           ppo-small-n4096-amortised  ppo.py --model organism-large --critic small --critic-init {out}/size/curve-large/critic-small-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
-size           ppo-small-n4096-paid       ppo.py --model organism-large --critic small --critic-init {out}/size/curve-large/critic-small-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+size           ppo-none                    ppo.py --model organism-large --critic none --token-budget {tokens} --total-steps {10*steps}
+size           ppo-small-n4096-amortised   ppo.py --model organism-large --critic small --critic-init {out}/size/curve-large/critic-small-n4096.safetensors --token-budget {tokens} --total-steps {10*steps}
+size           ppo-small-n4096-paid        ppo.py --model organism-large --critic small --critic-init {out}/size/curve-large/critic-small-n4096.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
 
 # labels: DPO's label regimes, self-labelled or gold pairs, offline or online, for the scale's steps
 labels         dpo-self-offline      dpo.py --pairs self

@@ -10,7 +10,7 @@ What a checkpoint promises:
   nothing it holds.
 - Verified before load. manifest.json lists every file with its SHA-256; an unlisted, missing or altered file,
   or a symbolic link, is refused in one line and the checkpoint is left in place. Arguments that change the run
-  (all but RESUMABLE_ARGS) must match the checkpoint's args.json.
+  (all but RESUMABLE_ARGS, and BUDGET_ARGS under a constant learning rate) must match the checkpoint's args.json.
 - The last good one kept. Nothing non-finite is saved; a save that fails on any rank removes its temporary
   folder and leaves the previous checkpoint as it was.
 
@@ -428,6 +428,19 @@ RESUMABLE_ARGS = {
     "fsdp",
 }
 
+# Arguments that say how far a run goes, not what its steps do: where the learning rate does not follow the budget
+# (--lr-schedule constant on both sides), a run with a larger budget takes the same steps as a shorter one up to
+# where the shorter stops, so the shorter one's checkpoint continues into it. ppo.py's --count-critic-init-tokens
+# is one: a paid run (its critic's pretraining spent from the budget) is the first steps of the amortised run, and
+# the sweep continues the one into the other (study/twins.py). Under a decaying schedule they must match.
+BUDGET_ARGS = {"token_budget", "count_critic_init_tokens"}
+
+
+def may_differ(key: str, saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether argument key may differ between a checkpoint's args (saved) and its resume's (now)."""
+    constant = saved.get("lr_schedule") == now.get("lr_schedule") == "constant"
+    return key in RESUMABLE_ARGS or (key in BUDGET_ARGS and constant)
+
 
 def _check_state(state: dict[str, Any], path: Path, saved: dict[str, Any]) -> None:
     """Every field a resume reads from state.json, checked: a consistent but wrong state is one line, not a
@@ -492,7 +505,7 @@ def load_checkpoint(
     on_rank0(lambda: verify_checkpoint(path))  # hashed once, the verdict shared
     saved = _read_json_object(path / "args.json", path)
     now = json.loads(json.dumps(args, default=str))
-    diff = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_ARGS and saved.get(k) != now.get(k))
+    diff = sorted(k for k in set(saved) | set(now) if not may_differ(k, saved, now) and saved.get(k) != now.get(k))
     if diff:
         shown = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in diff[:4])
         raise UserError(

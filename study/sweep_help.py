@@ -58,8 +58,11 @@ def help_text(
         "none, only some signal), or cannot be predicted (no prompt with 0 < p < 1), the sweep stops with exit status "
         "3 before any run folder exists, unless --force.",
         "A finished run (results.json) is skipped, an interrupted one resumes from its checkpoint, a damaged "
-        "results.json is kept aside (results.json.damaged-TIME) and the run redone. A failed run is logged "
-        "(OUT/logs/<experiment>/<run>.log), the others go on, and the summary names it (exit status 1). A lock "
+        "results.json is kept aside (results.json.damaged-TIME) and the run redone. A PPO line whose flags are "
+        "another's without --count-critic-init-tokens (the amortised twin of that paid run) continues the paid run's "
+        "last checkpoint once it has finished: under a constant learning rate the paid run is its first steps. A "
+        "failed run is logged (OUT/logs/<experiment>/<run>.log), the others go on, and the summary names it (exit "
+        "status 1). A lock "
         "(OUT/.lock) keeps a second sweep, or a trainer, off the folder. More in docs/sweep.md.",
     ]
     examples = [

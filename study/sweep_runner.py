@@ -30,6 +30,7 @@ import tyro
 from plumbing import cmdline, rundir
 from plumbing.errors import UserError
 from study.sweep_help import help_text
+from study.twins import fork, pair_paid
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("PYTHON") or sys.executable
@@ -114,6 +115,7 @@ class Run:
     script: str
     flags: list[str]  # the plan line's flags, placeholders unfilled
     dir: Path
+    continues: Run | None = None  # an amortised run's paid twin, whose steps are its first (study/twins.py)
 
     @property
     def label(self) -> str:
@@ -495,9 +497,17 @@ class Sweep:
             self.record(i, f"failed 1 0 {e}")
             return
         note = ""
+        if self.state[i] == "new" and run.continues is not None:
+            try:
+                note = fork(run, cmd)
+            except OSError as e:
+                print(f"FAIL  {run.label}: cannot continue {run.continues.label} into it ({e})", flush=True)
+                self.record(i, f"failed 1 0 {e}")
+                return
+            self.state[i] = "resume" if rundir.find_checkpoint(run.dir) is not None else "new"
         if self.state[i] == "resume":
             cmd.append("--resume")
-            note = " (resuming from its checkpoint)"
+            note = note or " (resuming from its checkpoint)"
         gpu = slot if slot and not slot.startswith("cpu") else ""
         print(f"run   {run.label}{f' on GPU {gpu}' if gpu else ''}{note}: {' '.join(cmd)}", flush=True)
         env = {**run_env(self.o), **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
@@ -532,17 +542,26 @@ class Sweep:
     def pool(self, indices: list[int], slots: list[str]) -> None:
         """One run per slot at a time; a freed slot takes the next run. Waits for every run it started."""
         queue = list(indices)
+
+        def ready(i: int) -> bool:  # an amortised run waits while its paid twin is to run or running (twins.py)
+            waits = [j for j in queue + [j for j, _, _ in self.live.values()] if self.runs[j] is self.runs[i].continues]
+            return not waits
+
         while queue or self.live:
             for slot in [s for s, (_, p, _) in self.live.items() if p.poll() is not None]:
                 self.finish(slot)
             while queue and not self.stop:
-                if self.state[queue[0]] == "finished":
-                    print(f"skip  {self.runs[queue.pop(0)].label}: finished", flush=True)
+                if any(self.state[i] == "finished" for i in queue):  # in the plan's order, before any waits
+                    for i in [i for i in queue if self.state[i] == "finished"]:
+                        print(f"skip  {self.runs[i].label}: finished", flush=True)
+                        queue.remove(i)
                     continue
                 free = [s for s in slots if s not in self.live]
-                if not free:
+                nxt = next((i for i in queue if ready(i)), None)
+                if not free or nxt is None:
                     break
-                self.start(queue.pop(0), free[0])
+                queue.remove(nxt)
+                self.start(nxt, free[0])
             if self.stop:
                 queue = []
             if self.live:
@@ -676,6 +695,8 @@ def main(argv: list[str]) -> int:
     if o.report_only:
         return report(o)
     runs = make_runs(o, lines)
+    if o.launcher != "slurm":  # an array's tasks start together: none can wait for its twin
+        pair_paid(runs, o.extra)
     s = Sweep(o, runs, smoke)
     signal.signal(signal.SIGTERM, s.on_signal)  # from here on a signal stops the sweep as it stops the trainers
     signal.signal(signal.SIGINT, s.on_signal)
@@ -740,6 +761,9 @@ def main(argv: list[str]) -> int:
                 except UserError as e:
                     print(f"# {run.label}: {e}")
                     continue
+            if run.continues is not None and s.state[i] == "new":
+                print(f"# {run.label}: continues {run.continues.label}'s last checkpoint once that has finished at this "
+                      "budget (its first steps: study/twins.py), with --resume; else from scratch as below")  # fmt: skip
             cmd = command(o, run, smoke, budget) + (["--resume"] if s.state[i] == "resume" else [])
             print(" ".join((["CUDA_VISIBLE_DEVICES=<free GPU>"] if o.launcher == "gpus" else []) + cmd))
         if o.launcher == "slurm":

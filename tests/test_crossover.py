@@ -1,5 +1,5 @@
 """The crossover study: its plan (GRPO's G as an axis at batch x G constant, the critics' learning curve as a step,
-PPO with each pretrained critic (the small head at both prices) and its budget from its own G = 8 run), the runs'
+PPO with each pretrained critic (each head at both prices) and its budget from its own G = 8 run), the runs'
 names, and its report section and figure (study/crossover.py) on known inputs: a synthetic curve.json and synthetic runs whose
 numbers the tests compute again on their own. The end to end run of a small crossover plan is in the slow lane.
 """
@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, check_ok, check_one_error_line, run_here, run_sweep, trainer_env
+from helpers import REPO, check_ok, check_one_error_line, run_here, run_sweep, step_rows, trainer_env
 
 import intervals
-from study import crossover, read_runs, report, sweep_runner
+from study import crossover, read_runs, report, sweep_runner, twins
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PLAN = (REPO / "sweep.sh").read_text().split("<<'PLAN'\n")[1].split("\nPLAN")[0]
@@ -44,8 +44,7 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
     """./sweep.sh --organism --experiments crossover --dry-run: the curve once (not per seed) into OUT/crossover/curve;
     GRPO at G = 2, 4, 8, 16 with batch x G the organism preset's 256 completions a step, every G the same steps and
     the same measured completions; PPO with each head the curve fits, its critic file one the curve writes,
-    amortised, the small head at the paid price too (the medium and large heads' paid arms cut for the 100 minutes),
-    and with the full critic of the curve's largest n amortised only (its pretraining exceeds the budget), the budget
+    each head amortised and paid (the amortised run continues the paid one: the tests below), and with the full critic of the curve's largest n amortised only (its pretraining exceeds the budget), the budget
     read from the same seed's G = 8 run of the crossover (not the head-to-head's)."""
     out = tmp_path / "out"
     cmds = commands(out)
@@ -71,7 +70,7 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
             assert flag(c, "--run-dir") == str(out / "crossover" / f"{name}-s{seed}")
         assert len({flag(c, "--total-steps") for c in grpo}) == 1
         ppo = [c for c in cmds if "ppo.py" in c and flag(c, "--seed") == str(seed) and flag(c, "--critic") != "none"]
-        assert len(ppo) == len(heads) + 2
+        assert len(ppo) == 2 * len(heads) + 1
         # the control: PPO without a critic (the batch's mean reward) at the same seed's G = 8 budget
         (none,) = [
             c for c in cmds if "ppo.py" in c and flag(c, "--seed") == str(seed) and flag(c, "--critic") == "none"
@@ -85,9 +84,9 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
             assert flag(c, "--token-budget") == f"<generated_tokens of {out / 'crossover' / 'grpo-group'}-s{seed}>"
             price = "paid" if "--count-critic-init-tokens" in c else "amortised"
             assert flag(c, "--run-dir").endswith(f"ppo-{critic}-n{m.group(1)}-{price}-s{seed}")
-        for critic in heads:
+        for critic in heads:  # each head at both prices
             prices = sorted("--count-critic-init-tokens" in c for c in ppo if flag(c, "--critic") == critic)
-            assert prices == ([False, True] if critic == "small" else [False]), critic
+            assert prices == [False, True], critic
         (full,) = [c for c in ppo if flag(c, "--critic") == "full"]  # 16,384 rollouts' tokens exceed the budget:
         assert "--count-critic-init-tokens" not in full and flag(full, "--critic-init").endswith(
             f"-n{rollouts[-1]}.safetensors"
@@ -115,6 +114,96 @@ def test_the_plan_runs_grpo_at_each_g_at_matched_tokens_and_ppo_with_each_pretra
         "crossover" not in default.stdout
         and "--token-budget <generated_tokens of " + str(out / "h2h") in default.stdout
     )
+
+
+PAIRS = """\
+x  ppo-small-paid       ppo.py --critic small --critic-init c.safetensors --count-critic-init-tokens --token-budget {tokens}
+x  ppo-small-amortised  ppo.py --critic small --critic-init c.safetensors --token-budget {tokens}
+x  ppo-full-amortised   ppo.py --critic full --critic-init f.safetensors --token-budget {tokens}
+x  ppo-cos-amortised    ppo.py --critic small --critic-init c.safetensors --token-budget {tokens} --lr-schedule cosine
+x  ppo-cos-paid         ppo.py --critic small --critic-init c.safetensors --token-budget {tokens} --lr-schedule cosine --count-critic-init-tokens
+"""
+
+
+def pair_runs(tmp_path: Path, extra: tuple[str, ...] = ()) -> list[sweep_runner.Run]:
+    lines, _ = sweep_runner.read_plan(PAIRS)
+    o = sweep_runner.Options(experiments=["x"], seeds=[1, 2], out=tmp_path, extra=list(extra))
+    runs = sweep_runner.make_runs(o, lines)
+    twins.pair_paid(runs, o.extra)
+    return runs
+
+
+def test_each_amortised_run_continues_its_paid_twin_of_the_same_seed_under_a_constant_learning_rate(tmp_path):
+    """The runner's fork: the amortised line continues the line that is it and --count-critic-init-tokens, seed by
+    seed; a line without a paid twin, a decaying schedule (the paid run's learning rate differs from the first step)
+    and the flag given to every run (--extra) pair nothing."""
+    runs = pair_runs(tmp_path)
+    pairs = {r.dir.name: r.continues.dir.name for r in runs if r.continues is not None}
+    assert pairs == {"ppo-small-amortised-s1": "ppo-small-paid-s1", "ppo-small-amortised-s2": "ppo-small-paid-s2"}
+    assert not any(r.continues for r in pair_runs(tmp_path, ("--count-critic-init-tokens",)))
+    cosine = pair_runs(tmp_path, ("--lr-schedule", "cosine"))
+    assert not any(r.continues for r in cosine)
+
+
+def test_the_fork_copies_only_a_twin_that_finished_at_this_budget_less_its_pretraining(tmp_path):
+    """fork(): the twin's checkpoint and the metrics rows it counts (not the final evaluation's row after it), into
+    the run's folder, where the twin's budget plus its critic's tokens is this run's budget; a twin at another budget
+    (another reference run) or one that never finished: nothing copied, from scratch."""
+    (twin_dir := tmp_path / "paid").mkdir()
+    (twin_dir / "checkpoint").mkdir()
+    (twin_dir / "checkpoint" / "state.json").write_text(json.dumps({"counters": {"step": 2, "metrics_rows": 2}}))
+    (twin_dir / "checkpoint" / "weights").write_text("w")
+    (twin_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 2, "val/accuracy": 0.5}\n')
+    results = {"args": {"token_budget": 40}, "critic_init": {"tokens": 100}, "steps": 2, "test": {"accuracy": 0.5}}
+    twin = sweep_runner.Run("x", "paid", 1, "ppo.py", ["--count-critic-init-tokens"], twin_dir)  # label x/paid
+
+    def fork(budget: int, name: str) -> tuple[str, Path]:
+        run = sweep_runner.Run("x", name, 1, "ppo.py", [], tmp_path / name, continues=twin)
+        return twins.fork(run, ["--token-budget", str(budget)]), run.dir
+
+    note, amortised = fork(140, "other-budget-first")  # no results.json yet: the twin has not finished
+    assert "from scratch" in note and not amortised.exists()
+    (twin_dir / "results.json").write_text(json.dumps(results))
+    note, amortised = fork(150, "other-budget")
+    assert "from scratch" in note and not amortised.exists()
+    note, amortised = fork(140, "amortised")
+    assert note == " (continuing x/paid's 2 steps)"
+    assert (amortised / "checkpoint" / "weights").read_text() == "w"
+    assert (amortised / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert sorted(p.name for p in amortised.iterdir()) == ["checkpoint", "metrics.jsonl"], "no temporary left"
+
+
+def test_an_amortised_run_starts_after_its_paid_twin_has_finished_and_the_pool_never_idles_meanwhile(tmp_path):
+    """Two slots: the amortised run, first in its seed's order after the paid one, waits while its twin runs, the
+    slot taking the next run that does not wait; it starts once the twin has finished, from the twin's checkpoint."""
+    runs = [r for r in pair_runs(tmp_path) if "cos" not in r.name]
+    runs.sort(key=lambda r: (r.seed, "paid" in r.name))  # the amortised before its twin in the queue
+    s = sweep_runner.Sweep(sweep_runner.Options(out=tmp_path), runs, {})
+    s.state = ["new"] * len(runs)
+    events: list[str] = []
+
+    class Done:  # a trainer that finishes at its first poll after one round of the pool's loop
+        def __init__(self) -> None:
+            self.polls = 0
+
+        def poll(self) -> int | None:
+            self.polls += 1
+            return 0 if self.polls > 1 else None
+
+    def start(i: int, slot: str) -> None:
+        events.append(f"start {runs[i].dir.name}")
+        s.live[slot] = (i, Done(), 0.0)
+
+    def finish(slot: str) -> None:
+        events.append(f"end {runs[s.live.pop(slot)[0]].dir.name}")
+
+    s.start, s.finish = start, finish
+    s.pool(list(range(len(runs))), ["cpu1", "cpu2"])
+    for seed in (1, 2):
+        twin_end = events.index(f"end ppo-small-paid-s{seed}")
+        assert events.index(f"start ppo-small-amortised-s{seed}") > twin_end, events
+    assert set(events[:2]) == {"start ppo-small-paid-s1", "start ppo-full-amortised-s1"}, "both slots from the start"
+    assert len([e for e in events if e.startswith("end")]) == len(runs)
 
 
 def test_each_experiment_reads_its_own_reference_and_a_step_is_no_run_of_the_plan():
@@ -434,7 +523,8 @@ crossover  grpo-group  grpo.py --batch-size 4 --group-size 2
 crossover  grpo-group-g4  grpo.py --batch-size 2 --group-size 4
 crossover  fit-lr3e-3-e2  study.pretrain_critic --critics small --rollouts 8 --measure --holdout 16 --mc-prompts 4 --mc-samples 2 --chunk 4 --epochs 2 --lr 3e-3 --pool-from {out}/crossover/curve
 crossover  ppo-small-n8-amortised  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n8.safetensors --token-budget {tokens} --total-steps {10*steps}
-crossover  ppo-small-n4-paid  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps}
+crossover  ppo-small-n4-paid  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps} --batch-size 2 --mc-every 0 --eval-every 0
+crossover  ppo-small-n4-amortised  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4.safetensors --token-budget {tokens} --total-steps {10*steps} --batch-size 2 --mc-every 0 --eval-every 0
 smoke  *  --total-steps 2 --max-new-tokens 8 --eval-every 1 --eval-size 8 --test-size 8 --eval-max-new-tokens 8
 smoke  study.pretrain_critic  --max-new-tokens 8
 smoke  ppo.py  --eval-batch-size 8 --batch-size 8 --micro-batch-size 8 --num-minibatches 2 --mc-every 1 --mc-prompts 2 --mc-samples 4
@@ -463,12 +553,12 @@ def test_a_small_crossover_runs_its_curve_once_then_the_runs_and_reports_the_sec
     check_ok(proc)
     curve = out / "crossover" / "curve"
     assert proc.stdout.count("study.pretrain_critic --out") == 2 and (curve / "curve.json").is_file()
-    assert "sweep: 6 of 6 runs finished" in proc.stdout  # the two steps and the 4 runs
+    assert "sweep: 7 of 7 runs finished" in proc.stdout  # the two steps and the 5 runs
     # the fit's step names {out}: it started after the curve had finished, and linked its pool (sampled nothing)
     fit_log = (out / "logs" / "crossover" / "fit-lr3e-3-e2.log").read_text()
     assert "linked from" in fit_log and "0 chunks made now" in fit_log
     assert (out / "crossover" / "fit-lr3e-3-e2" / "curve.json").is_file()
-    assert "curve" not in (out / "plan.tsv").read_text() and len((out / "plan.tsv").read_text().splitlines()) == 4
+    assert "curve" not in (out / "plan.tsv").read_text() and len((out / "plan.tsv").read_text().splitlines()) == 5
     critics = sorted(curve.glob("critic-*.safetensors"))
     assert [p.name for p in critics] == ["critic-small-n4.safetensors", "critic-small-n8.safetensors"]
     stamps = [p.stat().st_mtime_ns for p in critics]
@@ -478,6 +568,20 @@ def test_a_small_crossover_runs_its_curve_once_then_the_runs_and_reports_the_sec
         init = paid["critic_init"]
         assert init["paid"] and init["rollouts"] == 4 and init["token_budget"] == budget["generated_tokens"]
         assert paid["args"]["token_budget"] == budget["generated_tokens"] - init["tokens"]
+        # the amortised twin continued the paid run's checkpoint (--resume), its first steps the paid run's
+        started = next(line for line in proc.stdout.splitlines() if f"ppo-small-n4-amortised-s{seed} (" in line)
+        assert f"(continuing crossover/ppo-small-n4-paid-s{seed}'s {paid['steps']} steps)" in started, started
+        assert started.endswith("--resume")
+        amortised = out / "crossover" / f"ppo-small-n4-amortised-s{seed}"
+        cont = json.loads((amortised / "results.json").read_text())
+        assert not cont["critic_init"]["paid"] and cont["args"]["token_budget"] == budget["generated_tokens"]
+        assert cont["steps"] > paid["steps"] and cont["generated_tokens"] >= budget["generated_tokens"]
+        same = ("reward", "generated_tokens", "pg_loss", "vf_loss")
+        rows = [
+            [{k: r[k] for k in same} for r in step_rows(d)]
+            for d in (amortised, amortised.with_name(f"ppo-small-n4-paid-s{seed}"))
+        ]
+        assert rows[0][: len(rows[1])] == rows[1] and len(rows[0]) == cont["steps"]
     md = (out / "report" / "report.md").read_text()
     assert (
         "## Where the crossover lies" in md and "| small | 8 |" in md and (out / "report" / crossover.FIGURE).is_file()
@@ -486,7 +590,7 @@ def test_a_small_crossover_runs_its_curve_once_then_the_runs_and_reports_the_sec
     assert "| ppo-small-n4-paid | small | paid | 1 |" in md and "| grpo-group-g4 | G = 4 | - | 1 |" in md
     again = sweep()
     check_ok(again)
-    assert again.stdout.count("skip  ") == 4 and again.stdout.count("study.pretrain_critic --out") == 2
+    assert again.stdout.count("skip  ") == 5 and again.stdout.count("study.pretrain_critic --out") == 2
     assert [p.stat().st_mtime_ns for p in critics] == stamps  # reused, not fitted again
     log = (out / "logs" / "crossover" / "curve.log").read_text()
     assert log.count("=== ") == 2 and "0 chunks made now" in log

@@ -32,7 +32,7 @@ LAYERS = [
     ["plumbing.generation"],
     ["common", "critics"],
     ["gsm8k"],
-    ["measure", "study.sweep_help"],
+    ["measure", "study.sweep_help", "study.twins"],
     ["ppo", "grpo", "dpo", "organism", "study.read_runs", "study.sweep_runner", "study.pretrain_critic"],
     ["study.preflight", "study.plots", "study.estimate", "study.crossover"],
     ["study.moves"],
@@ -49,6 +49,7 @@ NO_TORCH = [
     "intervals",
     "study.sweep_runner",
     "study.sweep_help",
+    "study.twins",
 ]
 ENTRY_POINTS = {"report": "study.report"}  # a command at the root -> the study module whose main it runs
 MAX_ROOT = 10  # Python files at the root: the trainers, the modules they import, the organism's recipe, the commands

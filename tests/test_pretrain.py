@@ -482,6 +482,53 @@ def test_paid_pretraining_is_spent_from_the_token_budget(pretrained, tmp_path):
     assert steps == {True: 1, False: 3}
 
 
+def test_a_paid_run_continued_without_the_flag_ends_where_the_amortised_run_ends(pretrained, tmp_path):
+    """The sweep's fork (study/sweep_runner.py): a paid run is the amortised run stopped early, so its last checkpoint,
+    copied by the runner and resumed without --count-critic-init-tokens, takes the amortised run's remaining steps and
+    ends bitwise where the straight amortised run ends: each step's numbers, the weights, the test answers, and no
+    metrics row set aside. Under a decaying learning rate the two runs differ from the first step: refused."""
+    from safetensors.torch import load_file
+
+    from study import sweep_runner, twins
+
+    path = pretrained / "critic-small-n32.safetensors"
+    budget = critics.read_critic_record(path)["tokens"] + 40  # paid: one step of the three (the test above)
+
+    def flags(paid: bool, schedule: str = "constant") -> dict:
+        return dict(PPO_TINY, total_steps=3, token_budget=budget, count_critic_init_tokens=paid or None,
+                    critic="small", critic_init=path, lr_schedule=schedule, eval_every=1)  # fmt: skip
+
+    def continued(name: str, schedule: str) -> Path:  # the paid run, then the runner's fork into a new folder
+        argv = cli(tmp_path / f"paid-{name}", **flags(True, schedule))
+        check_ok(run_here("ppo.py", argv))
+        paid_flags = argv[2:]  # after --run-dir: the flags the two runs share, and the paid one's own
+        twin = sweep_runner.Run("x", "paid", 1, "ppo.py", paid_flags, tmp_path / f"paid-{name}")
+        mine = [f for f in paid_flags if f != twins.PAID]
+        run = sweep_runner.Run("x", "amortised", 1, "ppo.py", mine, tmp_path / name, continues=twin)
+        assert twins.fork(run, mine).startswith(" (continuing x/paid-")
+        return run.dir
+
+    straight = tmp_path / "straight"
+    check_ok(run_here("ppo.py", cli(straight, **flags(False))))
+    forked = continued("forked", "constant")
+    check_ok(run_here("ppo.py", cli(forked, **flags(False), resume=True)))
+    timing = ("time/", "tokens_per_s", "/seconds")
+    rows = [[{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in step_rows(d)]
+            for d in (straight, forked)]  # fmt: skip
+    assert len(rows[0]) == 3 and rows[0] == rows[1], "the continued run logs the straight run's steps, once each"
+    results = [json.loads((d / "results.json").read_text()) for d in (straight, forked)]
+    assert results[0]["steps"] == results[1]["steps"] == 3 and results[1]["critic_init"]["paid"] is False
+    assert results[0]["test"]["correct"] == results[1]["test"]["correct"]
+    weights = [load_file(str(d / "checkpoint" / "policy" / "model.safetensors")) for d in (straight, forked)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert not list(forked.glob("metrics.jsonl.discarded-*")), "the fork copies the rows its checkpoint counts"
+
+    # linear decay follows the budget: the paid run's first step already had another learning rate
+    refused = continued("linear", "linear")
+    line = check_one_error_line(run_here("ppo.py", cli(refused, **flags(False, "linear"), resume=True)))
+    assert "essential arguments differ" in line and "count_critic_init_tokens" in line
+
+
 @pytest.mark.parametrize("case", ["critic none", "another capacity", "another model", "another sampling", "missing",
                                   "damaged", "budget spent", "no budget", "count without a file"])  # fmt: skip
 def test_ppo_refuses_a_critic_file_it_cannot_use_in_one_line(pretrained, tmp_path, case):

@@ -254,11 +254,11 @@ def test_the_committed_organism_study_gives_its_committed_report(tmp_path, monke
     any machine (the report's one "Written by" line carries the clock time)."""
     root = REPO
     study = root / "docs" / "organism"
-    # the 18 runs x 3 seeds of the study, the crossover's 10 x 3 (GRPO at 4 G, PPO with 3 heads amortised, the small
-    # one paid too, the full critic amortised, the control) and the head-to-heads of organism-wide and
+    # the 18 runs x 3 seeds of the study, the crossover's 12 x 3 (GRPO at 4 G, PPO with 3 heads amortised and paid,
+    # the full critic amortised, the control) and the head-to-heads of organism-wide and
     # organism-large, 5 x 3 each (GRPO at 2 G, PPO with a critic at 2 prices, the control), every one finished; the
     # curves of the four organisms
-    assert len(list(study.glob("*/*-s[123]/results.json"))) == 18 * 3 + 10 * 3 + 5 * 3 + 5 * 3
+    assert len(list(study.glob("*/*-s[123]/results.json"))) == 18 * 3 + 12 * 3 + 5 * 3 + 5 * 3
     for curve in ("crossover/curve", "spread/curve-wide", "size/curve-small", "size/curve-large"):
         assert (study / curve / "curve.json").is_file(), curve
     assert not list(study.rglob("checkpoint")), "no checkpoints committed"
