@@ -68,7 +68,7 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # (study/twins.py). And PPO with the full critic pretrained on 16,384 rollouts (the one critic below
 # the constant baseline there), amortised only: its pretraining's 624k tokens exceed the budget. 3 seeds.
 # ~92 min on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md): the curve (920 s) beside the 12 GRPO
-# runs (~5 min each), 40 min; the fit steps and the 21 PPO runs (none ~5 min, paid ~4, the amortised ones' ~2 after
+# runs (~5 min each), 40 min; the fit steps and the 24 PPO runs (none ~5 min, paid ~4, the amortised ones' ~2 after
 # their paid twin, the full critic's ~8); then the report.
 # A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large full --rollouts 256 1024 4096 16384 --measure
@@ -107,9 +107,10 @@ size           curve-small           study.pretrain_critic --model organism-smal
 size           curve-large           study.pretrain_critic --model organism-large --critics small medium large --rollouts 256 1024 4096 --measure --mc-samples 20
 # the head-to-head where G* was measured (2026-12-07; docs/organism: G* 3.4 on organism-wide, 5.6 on organism-large):
 # GRPO at the two group sizes either side of it (batch x G = 256 completions a step, 50 steps, as the crossover's),
-# and PPO with the best head pretrained on 4,096 rollouts, amortised and paid, and without a critic (the control), at
-# the tokens of the same seed's GRPO run at the larger G. 3 seeds: organism-wide 15 runs (~75 min on 2 idle cores:
-# GRPO ~8.5 min a run, PPO ~9.5 amortised and ~6.5 paid), organism-large 15 runs of a policy 3.9x the organism's (~3 h)
+# and PPO with the best head pretrained on 4,096 rollouts, amortised and paid (the amortised run continues the paid
+# one, as the crossover's), and without a critic (the control), at the tokens of the same seed's GRPO run at the larger
+# G. 3 seeds: organism-wide 15 runs (~55 min on 2 idle cores: GRPO ~8.5 min a run, PPO ~8.5 without a critic, ~6.5
+# paid, ~3 more for its amortised twin), organism-large 15 runs of a policy 3.9x the organism's (~90 min)
 spread         grpo-group-g2         grpo.py --model organism-wide --group-size 2 --batch-size 128 --total-steps 50
 spread         grpo-group-g4         grpo.py --model organism-wide --group-size 4 --batch-size 64 --total-steps 50
 spread         ppo-none                    ppo.py --model organism-wide --critic none --token-budget {tokens} --total-steps {10*steps}

@@ -10,7 +10,7 @@ What a checkpoint promises:
   nothing it holds.
 - Verified before load. manifest.json lists every file with its SHA-256; an unlisted, missing or altered file,
   or a symbolic link, is refused in one line and the checkpoint is left in place. Arguments that change the run
-  (all but RESUMABLE_ARGS, and BUDGET_ARGS under a constant learning rate) must match the checkpoint's args.json.
+  (all but RESUMABLE_ARGS, and BUDGET_ARGS from a paid PPO run to its amortised twin) must match the checkpoint's args.json.
 - The last good one kept. Nothing non-finite is saved; a save that fails on any rank removes its temporary
   folder and leaves the previous checkpoint as it was.
 
@@ -428,18 +428,25 @@ RESUMABLE_ARGS = {
     "fsdp",
 }
 
-# Arguments that say how far a run goes, not what its steps do: where the learning rate does not follow the budget
-# (--lr-schedule constant on both sides), a run with a larger budget takes the same steps as a shorter one up to
-# where the shorter stops, so the shorter one's checkpoint continues into it. ppo.py's --count-critic-init-tokens
-# is one: a paid run (its critic's pretraining spent from the budget) is the first steps of the amortised run, and
-# the sweep continues the one into the other (study/twins.py). Under a decaying schedule they must match.
+# A paid PPO run continued as its amortised twin: ppo.py's --count-critic-init-tokens spends a pretrained critic's
+# tokens from --token-budget (which the run records less them). Under a constant learning rate nothing in ppo.py reads
+# the budget but the stop (warmup counts optimiser steps; the evaluations, the Monte Carlo measurement and the
+# minibatches go by step and seed), so the paid run is the amortised one stopped early, step for step, and its
+# checkpoint continues into it: these two arguments may then change, from a paid save to an amortised resume, and in
+# no other case (a budget changed by mistake, the other direction, another trainer: refused as before). The sweep
+# continues each paid run into its twin so (study/twins.py).
 BUDGET_ARGS = {"token_budget", "count_critic_init_tokens"}
+
+
+def paid_to_amortised(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a checkpoint's args (saved) are a paid PPO run's and its resume's (now) that run's amortised twin."""
+    constant = saved.get("lr_schedule") == now.get("lr_schedule") == "constant"
+    return constant and saved.get("count_critic_init_tokens") is True and now.get("count_critic_init_tokens") is False
 
 
 def may_differ(key: str, saved: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether argument key may differ between a checkpoint's args (saved) and its resume's (now)."""
-    constant = saved.get("lr_schedule") == now.get("lr_schedule") == "constant"
-    return key in RESUMABLE_ARGS or (key in BUDGET_ARGS and constant)
+    return key in RESUMABLE_ARGS or (key in BUDGET_ARGS and paid_to_amortised(saved, now))
 
 
 def _check_state(state: dict[str, Any], path: Path, saved: dict[str, Any]) -> None:
@@ -513,6 +520,11 @@ def load_checkpoint(
         )
     state = _read_json_object(path / "state.json", path)
     _check_state(state, path, saved)
+    if paid_to_amortised(saved, now):
+        runtime.notice_once(
+            f"continuing the paid run of {path} as its amortised twin (without --count-critic-init-tokens): --token-"
+            f"budget {saved.get('token_budget')} -> {now.get('token_budget')}, the critic's pretraining no longer spent"
+        )
     if (path / "dcp").exists() != (saved.get("fsdp") is True):  # the sharded branch only for an --fsdp save
         raise UserError(
             f"checkpoint {path} is damaged (its args.json says fsdp={saved.get('fsdp')!r} but it "

@@ -60,7 +60,8 @@ def help_text(
         "A finished run (results.json) is skipped, an interrupted one resumes from its checkpoint, a damaged "
         "results.json is kept aside (results.json.damaged-TIME) and the run redone. A PPO line whose flags are "
         "another's without --count-critic-init-tokens (the amortised twin of that paid run) continues the paid run's "
-        "last checkpoint once it has finished: under a constant learning rate the paid run is its first steps. A "
+        "last checkpoint once it has finished (not under --launcher slurm): under a constant learning rate the paid "
+        "run is its first steps. A "
         "failed run is logged (OUT/logs/<experiment>/<run>.log), the others go on, and the summary names it (exit "
         "status 1). A lock "
         "(OUT/.lock) keeps a second sweep, or a trainer, off the folder. More in docs/sweep.md.",

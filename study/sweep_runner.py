@@ -497,13 +497,10 @@ class Sweep:
             self.record(i, f"failed 1 0 {e}")
             return
         note = ""
-        if self.state[i] == "new" and run.continues is not None:
-            try:
-                note = fork(run, cmd)
-            except OSError as e:
-                print(f"FAIL  {run.label}: cannot continue {run.continues.label} into it ({e})", flush=True)
-                self.record(i, f"failed 1 0 {e}")
-                return
+        if self.state[i] == "new" and run.continues is not None:  # an amortised run: from its paid twin (twins.py)
+            j = next(j for j, r in enumerate(self.runs) if r is run.continues)
+            twin_cmd = command(self.o, run.continues, self.smoke, self.budget(run.continues))
+            note = fork(run, cmd, twin_cmd, self.log(j, "log"))
             self.state[i] = "resume" if rundir.find_checkpoint(run.dir) is not None else "new"
         if self.state[i] == "resume":
             cmd.append("--resume")
@@ -543,9 +540,9 @@ class Sweep:
         """One run per slot at a time; a freed slot takes the next run. Waits for every run it started."""
         queue = list(indices)
 
-        def ready(i: int) -> bool:  # an amortised run waits while its paid twin is to run or running (twins.py)
-            waits = [j for j in queue + [j for j, _, _ in self.live.values()] if self.runs[j] is self.runs[i].continues]
-            return not waits
+        def ready(i: int) -> bool:  # a new amortised run waits while its paid twin is to run or running (twins.py)
+            twin = self.runs[i].continues if self.state[i] == "new" else None
+            return not [j for j in queue + [j for j, _, _ in self.live.values()] if self.runs[j] is twin]
 
         while queue or self.live:
             for slot in [s for s, (_, p, _) in self.live.items() if p.poll() is not None]:

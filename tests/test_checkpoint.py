@@ -183,9 +183,12 @@ def test_resume_with_a_different_essential_argument_is_refused(finished_run, tmp
     assert tree_digest(run_dir) == before
 
 
-@pytest.mark.parametrize(("flag", "value"), [("total_steps", 2), ("lr_schedule", "cosine"), ("warmup_steps", 1)])
+@pytest.mark.parametrize(
+    ("flag", "value"), [("total_steps", 2), ("lr_schedule", "cosine"), ("warmup_steps", 1), ("token_budget", 10_000)]
+)
 def test_resume_with_a_different_schedule_argument_is_refused(finished_run, tmp_path, flag, value):
-    """--total-steps and every argument the LR schedule depends on: a resume keeps the original horizon."""
+    """--total-steps and every argument the LR schedule depends on: a resume keeps the original horizon. The budget
+    too, under the constant learning rate (only a paid PPO run continues as amortised: test_pretrain.py)."""
     run_dir = copy_run(finished_run, tmp_path)
     (run_dir / "results.json").unlink()  # a run killed after its last save
     before = tree_digest(run_dir)

@@ -486,7 +486,8 @@ def test_a_paid_run_continued_without_the_flag_ends_where_the_amortised_run_ends
     """The sweep's fork (study/sweep_runner.py): a paid run is the amortised run stopped early, so its last checkpoint,
     copied by the runner and resumed without --count-critic-init-tokens, takes the amortised run's remaining steps and
     ends bitwise where the straight amortised run ends: each step's numbers, the weights, the test answers, and no
-    metrics row set aside. Under a decaying learning rate the two runs differ from the first step: refused."""
+    metrics row set aside. Under a decaying learning rate the two runs differ from the first step: refused; so is any
+    other change of the budget on a resume (amortised to paid, another --token-budget)."""
     from safetensors.torch import load_file
 
     from study import sweep_runner, twins
@@ -505,7 +506,10 @@ def test_a_paid_run_continued_without_the_flag_ends_where_the_amortised_run_ends
         twin = sweep_runner.Run("x", "paid", 1, "ppo.py", paid_flags, tmp_path / f"paid-{name}")
         mine = [f for f in paid_flags if f != twins.PAID]
         run = sweep_runner.Run("x", "amortised", 1, "ppo.py", mine, tmp_path / name, continues=twin)
-        assert twins.fork(run, mine).startswith(" (continuing x/paid-")
+        (tmp_path / f"paid-{name}.log").write_text(f"=== 2026-12-07 10:00:00 python ppo.py {' '.join(paid_flags)}\n")
+        assert twins.fork(run, mine, ["python", "ppo.py", *paid_flags], tmp_path / f"paid-{name}.log").startswith(
+            " (continuing x/paid-"
+        )
         return run.dir
 
     straight = tmp_path / "straight"
@@ -527,6 +531,11 @@ def test_a_paid_run_continued_without_the_flag_ends_where_the_amortised_run_ends
     refused = continued("linear", "linear")
     line = check_one_error_line(run_here("ppo.py", cli(refused, **flags(False, "linear"), resume=True)))
     assert "essential arguments differ" in line and "count_critic_init_tokens" in line
+    # and only from paid to amortised: an amortised checkpoint resumed as paid, or at another budget, is refused
+    (straight / "results.json").unlink()  # a run killed after its last save
+    for other in (flags(True), dict(flags(False), token_budget=budget + 8)):
+        line = check_one_error_line(run_here("ppo.py", cli(straight, **other, resume=True)))
+        assert "essential arguments differ" in line and "token_budget" in line
 
 
 @pytest.mark.parametrize("case", ["critic none", "another capacity", "another model", "another sampling", "missing",
