@@ -75,9 +75,11 @@ def tiny_tokenizer():
     return models.load_tokenizer(models.TINY_MODEL)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
-    """A finished one-step PPO run with a checkpoint (helpers.SMALL_RUN); tests copy it before changing anything."""
+    """A finished one-step PPO run with a checkpoint (helpers.SMALL_RUN); tests copy it before changing anything.
+    Once per worker, not per module: four files read it, and each worker runs tests of all four (a run each, ~1.3 s).
+    """
     from helpers import SMALL_RUN, check_ok, cli, run_here
 
     run_dir = tmp_path_factory.mktemp("finished") / "run"
