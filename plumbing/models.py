@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -109,11 +109,14 @@ def _tokenizer_cache(gguf: Path) -> Path:
     out = cache_root() / f"{gguf.stem}-tokenizer-{_gguf_key(gguf)}"
     if (out / "tokenizer_config.json").is_file():
         return out
-    from transformers import AutoTokenizer
+    with _making(out):
+        if (out / "tokenizer_config.json").is_file():  # made by another process while this one waited
+            return out
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _set_pad_token(tok)
-    return _publish_once(out, lambda folder: save_tokenizer(tok, folder))
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _set_pad_token(tok)
+        return _publish_once(out, lambda folder: save_tokenizer(tok, folder))
 
 
 def _dequantised_cache(gguf: Path) -> Path:
@@ -121,23 +124,38 @@ def _dequantised_cache(gguf: Path) -> Path:
     out = cache_root() / f"{gguf.stem}-{_gguf_key(gguf)}"
     if (out / "config.json").is_file():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with _making(out):
+        if (out / "config.json").is_file():  # made by another process while this one waited
+            return out
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"converting {gguf.name} once (dequantising to fp32); cached in {out}", flush=True)
-    tok = AutoTokenizer.from_pretrained(_tokenizer_cache(gguf))  # the GGUF's metadata parsed once fewer (~6 s)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights are plain fp32 now; a fresh model saves without a quantizer
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    _set_pad_token(tok, model.config)
+        print(f"converting {gguf.name} once (dequantising to fp32); cached in {out}", flush=True)
+        tok = AutoTokenizer.from_pretrained(_tokenizer_cache(gguf))  # the GGUF's metadata parsed once fewer (~6 s)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are plain fp32 now; a fresh model saves without a quantizer
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        _set_pad_token(tok, model.config)
 
-    def save(folder: Path) -> None:
-        model.save_pretrained(folder, safe_serialization=True)
-        save_tokenizer(tok, folder)
+        def save(folder: Path) -> None:
+            model.save_pretrained(folder, safe_serialization=True)
+            save_tokenizer(tok, folder)
 
-    return _publish_once(out, save)
+        return _publish_once(out, save)
+
+
+@contextlib.contextmanager
+def _making(out: Path) -> Iterator[None]:
+    """Hold the lock on making out (a file beside it, as the organism's folder has): processes that start together
+    on an empty cache (the test workers, a sweep's runs) convert the GGUF once, the others waiting, then reading it,
+    where each converted its own before and all but one threw theirs away (~4.5 CPU seconds each for the tiny
+    models' tokenizer). Released when the file closes, or when this process dies."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def save_tokenizer(tok: Any, folder: Path) -> None:
