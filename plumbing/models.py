@@ -2,7 +2,8 @@
 
 Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAMES of hub models) and
 resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
-again); load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
+again; made once under a lock by processes that start together; save_tokenizer, the form a tokenizer is cached in);
+load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
 request, so that an offline machine goes straight to the caches; gsm8k.py asks it too); the tiny configs ("tiny",
 "tiny-qwen2"); the organisms in the cache (organism_folder: each one's shipped build copied once, checked;
 organism_info; check_organism_prompt, the one prompt format an organism reads);
