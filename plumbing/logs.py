@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -98,9 +99,8 @@ def setting_groups(cls: type) -> list[tuple[str, list[str]]]:
     parenthesis), in order; fields before any such comment, or every field when the source cannot be read, under
     "settings"."""
     names = [f.name for f in dataclasses.fields(cls)]
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
+    source = _class_source(cls)
+    if source is None:
         return [("settings", names)]
     groups: list[tuple[str, list[str]]] = [("settings", [])]
     placed: set[str] = set()
@@ -114,6 +114,17 @@ def setting_groups(cls: type) -> list[tuple[str, list[str]]]:
             placed.add(field.group(1))
     groups[0][1].extend(n for n in names if n not in placed)
     return [(g, ns) for g, ns in groups if ns]
+
+
+@functools.cache
+def _class_source(cls: type) -> str | None:
+    """inspect.getsource(cls), or None where it cannot be read; once per class and process: Python finds a class's
+    lines by parsing its whole module, ~25 ms for a trainer's, and a process that runs several trainers' main()
+    (the tests' in-process runs) prints a banner for each."""
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return None
 
 
 def _fill(head: str, items: list[str], sep: str, indent: str) -> list[str]:

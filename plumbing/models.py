@@ -2,7 +2,8 @@
 
 Holds: the --model names (the packaged SmolLM2, the tiny test models, SHORT_NAMES of hub models) and
 resolve_model; the packaged GGUF's lookup and its dequantised cache (a damaged conversion moved aside and made
-again); load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
+again; made once under a lock by processes that start together; save_tokenizer, the form a tokenizer is cached in);
+load_tokenizer, load_model and load_error; whether the hub can be reached (hub_unreachable: one quick
 request, so that an offline machine goes straight to the caches; gsm8k.py asks it too); the tiny configs ("tiny",
 "tiny-qwen2"); the organisms in the cache (organism_folder: each one's shipped build copied once, checked;
 organism_info; check_organism_prompt, the one prompt format an organism reads);
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -109,11 +110,14 @@ def _tokenizer_cache(gguf: Path) -> Path:
     out = cache_root() / f"{gguf.stem}-tokenizer-{_gguf_key(gguf)}"
     if (out / "tokenizer_config.json").is_file():
         return out
-    from transformers import AutoTokenizer
+    with _making(out):
+        if (out / "tokenizer_config.json").is_file():  # made by another process while this one waited
+            return out
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _set_pad_token(tok)
-    return _publish_once(out, tok.save_pretrained)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _set_pad_token(tok)
+        return _publish_once(out, lambda folder: save_tokenizer(tok, folder))
 
 
 def _dequantised_cache(gguf: Path) -> Path:
@@ -121,23 +125,51 @@ def _dequantised_cache(gguf: Path) -> Path:
     out = cache_root() / f"{gguf.stem}-{_gguf_key(gguf)}"
     if (out / "config.json").is_file():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with _making(out):
+        if (out / "config.json").is_file():  # made by another process while this one waited
+            return out
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"converting {gguf.name} once (dequantising to fp32); cached in {out}", flush=True)
-    tok = AutoTokenizer.from_pretrained(_tokenizer_cache(gguf))  # the GGUF's metadata parsed once fewer (~6 s)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights are plain fp32 now; a fresh model saves without a quantizer
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict())
-    _set_pad_token(tok, model.config)
+        print(f"converting {gguf.name} once (dequantising to fp32); cached in {out}", flush=True)
+        tok = AutoTokenizer.from_pretrained(_tokenizer_cache(gguf))  # the GGUF's metadata parsed once fewer (~6 s)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights are plain fp32 now; a fresh model saves without a quantizer
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        _set_pad_token(tok, model.config)
 
-    def save(folder: Path) -> None:
-        model.save_pretrained(folder, safe_serialization=True)
-        tok.save_pretrained(folder)
+        def save(folder: Path) -> None:
+            model.save_pretrained(folder, safe_serialization=True)
+            save_tokenizer(tok, folder)
 
-    return _publish_once(out, save)
+        return _publish_once(out, save)
+
+
+@contextlib.contextmanager
+def _making(out: Path) -> Iterator[None]:
+    """Hold the lock on making out (a file beside it, as the organism's folder has): processes that start together
+    on an empty cache (the test workers, a sweep's runs) convert the GGUF once, the others waiting, then reading it,
+    where each converted its own before and all but one threw theirs away (~4.5 CPU seconds each for the tiny
+    models' tokenizer). Released when the file closes, or when this process dies."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def save_tokenizer(tok: Any, folder: Path) -> None:
+    """tok.save_pretrained(folder), with the added tokens in tokenizer_config.json too (added_tokens_decoder, as
+    transformers writes it for its other tokenizer kinds), so that each load reads them there: without it
+    transformers 5 parses the whole tokenizer.json in Python for them, 0.1 of a load's 0.25 CPU seconds, on top of
+    the tokenizers library's own parse (SmolLM2's 49k vocabulary, 2026-12-07). The same tokens either way; a folder
+    saved without them (an older cache) still loads, the slow way."""
+    tok.save_pretrained(folder)
+    config_file = Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["added_tokens_decoder"] = {str(i): t.__getstate__() for i, t in tok.added_tokens_decoder.items()}
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def _publish_once(out: Path, save: Callable[[Path], None]) -> Path:

@@ -75,9 +75,11 @@ def tiny_tokenizer():
     return models.load_tokenizer(models.TINY_MODEL)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
-    """A finished one-step PPO run with a checkpoint (helpers.SMALL_RUN); tests copy it before changing anything."""
+    """A finished one-step PPO run with a checkpoint (helpers.SMALL_RUN); tests copy it before changing anything.
+    Once per worker, not per module: four files read it, and each worker runs tests of all four (a run each, ~1.3 s).
+    """
     from helpers import SMALL_RUN, check_ok, cli, run_here
 
     run_dir = tmp_path_factory.mktemp("finished") / "run"
@@ -182,8 +184,18 @@ SLOW_TOO = {
 # it; test_distributed.py's share its module fixtures (the equal-length data, the one-process PPO run two tests
 # compare with), and its torchruns then never run beside one another. An `xdist_group` mark would say this test by
 # test, but with pytest 9.2 it no longer reaches xdist's scheduler (pytest-xdist issue #1386: the group travels in
-# the node id, which pytest now builds from its parts), so the scheduler below groups by file.
-ONE_WORKER = ("tests/test_sweep.py", "tests/test_distributed.py")
+# the node id, which pytest now builds from its parts), so the scheduler below groups by file. The others' module
+# fixtures run a trainer (or organism.py, study.pretrain_critic) that several of their tests read: spread over two
+# workers, each ran it (test_data_fingerprint.py's first_run and test_pretrain.py's pretrained twice in a
+# two-worker run of those files, 2026-12-07).
+ONE_WORKER = (
+    "tests/test_sweep.py",
+    "tests/test_distributed.py",
+    "tests/test_faults.py",  # straight_run, 3.5 s
+    "tests/test_data_fingerprint.py",  # first_run, 2 s
+    "tests/test_pretrain.py",  # pretrained, 1.7 s
+    "tests/test_organism.py",  # built and small_cache's build
+)
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown, and unused, without it

@@ -372,6 +372,13 @@ STOP_RUNS = {  # 4 test batches a rank (3 left after the first); offline DPO sam
 }
 
 
+@pytest.fixture(scope="module")
+def straight_runs() -> dict[str, Path]:
+    """{script: the folder of its straight run of STOP_RUNS[script]}, filled by the first case of each script: ppo.py's
+    two places of the signal compare with the same straight run (the same flags, data and seed), made once."""
+    return {}
+
+
 @pytest.mark.parametrize(
     "script, at, during",
     [
@@ -380,13 +387,19 @@ STOP_RUNS = {  # 4 test batches a rank (3 left after the first); offline DPO sam
         ("dpo.py", "plumbing.generation.generate:1", "the offline pair sampling"),  # the first chunk's rollouts
     ],
 )
-def test_a_signal_to_one_rank_outside_the_step_stops_every_rank_at_once(tmp_path, data_dir, script, at, during):
-    straight, split, log = tmp_path / "straight", tmp_path / "split", tmp_path / "signal.log"
+def test_a_signal_to_one_rank_outside_the_step_stops_every_rank_at_once(
+    tmp_path, tmp_path_factory, data_dir, straight_runs, script, at, during
+):
+    split, log = tmp_path / "split", tmp_path / "signal.log"
     background = start(torchrun_cmd(script, flags(split, data_dir, **STOP_RUNS[script])), signal_at(at, log, rank=1))
     try:
-        check_ok(one_process(script, flags(straight, data_dir, **STOP_RUNS[script])))
+        if script not in straight_runs:  # the first case of its script: made here, beside the torchrun
+            run_dir = tmp_path_factory.mktemp("straight") / "run"
+            check_ok(one_process(script, flags(run_dir, data_dir, **STOP_RUNS[script])))
+            straight_runs[script] = run_dir
     finally:
         proc = finish(background)
+    straight = straight_runs[script]
     check_ok(proc)
     times = dict(line.split() for line in log.read_text().splitlines())  # rank 1's signal and exit
     assert float(times["exit"]) - float(times["signal"]) < 30, "rank 1 did not stop within seconds"

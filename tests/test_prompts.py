@@ -41,6 +41,35 @@ def test_unknown_prompt_format(tiny_tokenizer):
         gsm8k.encode_prompt(tiny_tokenizer, QUESTION, prompt_format="fewshot")
 
 
+def test_the_cached_tokenizer_loads_as_its_tokenizer_json_alone_gives_it(tmp_path):
+    """The tokenizer cache's tokenizer_config.json lists the added tokens (models.save_tokenizer: each load then
+    skips parsing tokenizer.json in Python for them); the folder without that list, as transformers saves it, loads
+    the same tokenizer: its tokens, special tokens, chat template, and what it saves again."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    cached = models.resolve_model(models.TINY_MODEL)
+    config = json.loads((cached / "tokenizer_config.json").read_text())
+    assert config["added_tokens_decoder"]
+    plain = tmp_path / "plain"
+    shutil.copytree(cached, plain)
+    del config["added_tokens_decoder"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    a, b = AutoTokenizer.from_pretrained(cached), AutoTokenizer.from_pretrained(plain)
+    assert repr(a).replace(str(cached), "") == repr(b).replace(str(plain), "")  # every special and added token
+    assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
+    messages = [{"role": "user", "content": QUESTION + " <|im_end|>"}]
+    assert a.apply_chat_template(messages, add_generation_prompt=True) == b.apply_chat_template(
+        messages, add_generation_prompt=True
+    )
+    a.save_pretrained(tmp_path / "a")
+    b.save_pretrained(tmp_path / "b")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
 def test_pad_token_is_not_eos(tiny_tokenizer):
     assert tiny_tokenizer.pad_token_id is not None
     assert tiny_tokenizer.pad_token_id != tiny_tokenizer.eos_token_id
