@@ -67,9 +67,9 @@ critic-lambda  ppo-full              ppo.py --critic full   --mc-states 2 --lam 
 # so the sweep continues each paid run's last checkpoint into its amortised twin rather than train those steps twice
 # (study/twins.py). And PPO with the full critic pretrained on 16,384 rollouts (the one critic below
 # the constant baseline there), amortised only: its pretraining's 624k tokens exceed the budget. 3 seeds.
-# ~92 min on 2 idle cores, 2 runs at once on one thread each (docs/sweep.md): the curve (920 s) beside the 12 GRPO
-# runs (~5 min each), 40 min; the fit steps and the 24 PPO runs (none ~5 min, paid ~4, the amortised ones' ~2 after
-# their paid twin, the full critic's ~8); then the report.
+# ~95 min on 2 cores, 2 runs at once on one thread each (docs/sweep.md: measured in two parts, 2026-12-07): the curve
+# (920 s) beside the 12 GRPO runs (~5 min each), 40 min; the fit steps and the 24 PPO runs (none ~5 min, paid ~4, the
+# amortised ones ~2 after their paid twin, the full critic's ~8), 52-58 min; then the report.
 # A stopped sweep resumes where it stopped.
 crossover      curve                 study.pretrain_critic --critics small medium large full --rollouts 256 1024 4096 16384 --measure
 # the fit's settings: each head fitted again on the curve's first 4,096 rollouts at other learning rates and epochs,

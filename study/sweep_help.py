@@ -70,7 +70,7 @@ def help_text(
         ("./sweep.sh --dry-run", "every command, run nothing"),
         ("./sweep.sh --smoke", "all of it on the CPU, a tiny random model, in minutes"),
         ("./sweep.sh --organism", "the study on the model organism, on 2 CPU cores, under 2 hours"),
-        ("./sweep.sh --organism --experiments crossover", "where a pretrained critic equals GRPO's G: ~90 min"),
+        ("./sweep.sh --organism --experiments crossover", "where a pretrained critic equals GRPO's G: ~95 min"),
         ("./sweep.sh --organism --experiments spread,size", "how that moves with the task's spread and the size"),
         ("./sweep.sh --preflight", "only the preflight: has the model the signal the study needs?"),
         ("./sweep.sh --experiments h2h --seeds 1,2", "a subset"),

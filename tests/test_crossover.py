@@ -535,8 +535,8 @@ crossover  grpo-group  grpo.py --batch-size 4 --group-size 2
 crossover  grpo-group-g4  grpo.py --batch-size 2 --group-size 4
 crossover  fit-lr3e-3-e2  study.pretrain_critic --critics small --rollouts 8 --measure --holdout 16 --mc-prompts 4 --mc-samples 2 --chunk 4 --epochs 2 --lr 3e-3 --pool-from {out}/crossover/curve
 crossover  ppo-small-n8-amortised  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n8.safetensors --token-budget {tokens} --total-steps {10*steps}
-crossover  ppo-small-n4-paid  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps} --batch-size 2 --mc-every 0 --eval-every 0
-crossover  ppo-small-n4-amortised  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4.safetensors --token-budget {tokens} --total-steps {10*steps} --batch-size 2 --mc-every 0 --eval-every 0
+crossover  ppo-small-n4-paid  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4.safetensors --count-critic-init-tokens --token-budget {tokens} --total-steps {10*steps} --batch-size 4 --mc-every 0 --eval-every 0
+crossover  ppo-small-n4-amortised  ppo.py --critic small --critic-init {out}/crossover/curve/critic-small-n4.safetensors --token-budget {tokens} --total-steps {10*steps} --batch-size 4 --mc-every 0 --eval-every 0
 smoke  *  --total-steps 2 --max-new-tokens 8 --eval-every 1 --eval-size 8 --test-size 8 --eval-max-new-tokens 8
 smoke  study.pretrain_critic  --max-new-tokens 8
 smoke  ppo.py  --eval-batch-size 8 --batch-size 8 --micro-batch-size 8 --num-minibatches 2 --mc-every 1 --mc-prompts 2 --mc-samples 4
