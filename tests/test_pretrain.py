@@ -483,11 +483,11 @@ def test_paid_pretraining_is_spent_from_the_token_budget(pretrained, tmp_path):
 
 
 def test_a_paid_run_continued_without_the_flag_ends_where_the_amortised_run_ends(pretrained, tmp_path):
-    """The sweep's fork (study/sweep_runner.py): a paid run is the amortised run stopped early, so its last checkpoint,
+    """The sweep's fork (study/twins.py): a paid run is the amortised run stopped early, so its last checkpoint,
     copied by the runner and resumed without --count-critic-init-tokens, takes the amortised run's remaining steps and
     ends bitwise where the straight amortised run ends: each step's numbers, the weights, the test answers, and no
-    metrics row set aside. Under a decaying learning rate the two runs differ from the first step: refused; so is any
-    other change of the budget on a resume (amortised to paid, another --token-budget)."""
+    metrics row set aside. Any other change of the budget on a resume is refused (amortised to paid, another
+    --token-budget)."""
     from safetensors.torch import load_file
 
     from study import sweep_runner, twins
@@ -495,26 +495,21 @@ def test_a_paid_run_continued_without_the_flag_ends_where_the_amortised_run_ends
     path = pretrained / "critic-small-n32.safetensors"
     budget = critics.read_critic_record(path)["tokens"] + 40  # paid: one step of the three (the test above)
 
-    def flags(paid: bool, schedule: str = "constant") -> dict:
+    def flags(paid: bool) -> dict:
         return dict(PPO_TINY, total_steps=3, token_budget=budget, count_critic_init_tokens=paid or None,
-                    critic="small", critic_init=path, lr_schedule=schedule, eval_every=1)  # fmt: skip
+                    critic="small", critic_init=path, eval_every=1)  # fmt: skip
 
-    def continued(name: str, schedule: str) -> Path:  # the paid run, then the runner's fork into a new folder
-        argv = cli(tmp_path / f"paid-{name}", **flags(True, schedule))
-        check_ok(run_here("ppo.py", argv))
-        paid_flags = argv[2:]  # after --run-dir: the flags the two runs share, and the paid one's own
-        twin = sweep_runner.Run("x", "paid", 1, "ppo.py", paid_flags, tmp_path / f"paid-{name}")
-        mine = [f for f in paid_flags if f != twins.PAID]
-        run = sweep_runner.Run("x", "amortised", 1, "ppo.py", mine, tmp_path / name, continues=twin)
-        (tmp_path / f"paid-{name}.log").write_text(f"=== 2026-12-07 10:00:00 python ppo.py {' '.join(paid_flags)}\n")
-        assert twins.fork(run, mine, ["python", "ppo.py", *paid_flags], tmp_path / f"paid-{name}.log").startswith(
-            " (continuing x/paid-"
-        )
-        return run.dir
-
-    straight = tmp_path / "straight"
+    straight, paid, forked = tmp_path / "straight", tmp_path / "paid", tmp_path / "forked"
     check_ok(run_here("ppo.py", cli(straight, **flags(False))))
-    forked = continued("forked", "constant")
+    argv = cli(paid, **flags(True))
+    check_ok(run_here("ppo.py", argv))
+    paid_flags = argv[2:]  # after --run-dir: the flags the two runs share, and the paid one's own
+    (tmp_path / "paid.log").write_text(f"=== 2026-12-07 10:00:00 python ppo.py {' '.join(paid_flags)}\n")  # its start
+    twin = sweep_runner.Run("x", "paid", 1, "ppo.py", paid_flags, paid)
+    mine = [f for f in paid_flags if f != twins.PAID]
+    run = sweep_runner.Run("x", "amortised", 1, "ppo.py", mine, forked, continues=twin)
+    note = twins.fork(run, mine, ["python", "ppo.py", *paid_flags], tmp_path / "paid.log")
+    assert note == " (continuing x/paid's 1 steps)", note
     check_ok(run_here("ppo.py", cli(forked, **flags(False), resume=True)))
     timing = ("time/", "tokens_per_s", "/seconds")
     rows = [[{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in step_rows(d)]
@@ -527,15 +522,38 @@ def test_a_paid_run_continued_without_the_flag_ends_where_the_amortised_run_ends
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert not list(forked.glob("metrics.jsonl.discarded-*")), "the fork copies the rows its checkpoint counts"
 
-    # linear decay follows the budget: the paid run's first step already had another learning rate
-    refused = continued("linear", "linear")
-    line = check_one_error_line(run_here("ppo.py", cli(refused, **flags(False, "linear"), resume=True)))
-    assert "essential arguments differ" in line and "count_critic_init_tokens" in line
-    # and only from paid to amortised: an amortised checkpoint resumed as paid, or at another budget, is refused
+    # only from paid to amortised: an amortised checkpoint resumed as paid, or at another budget, is refused (and
+    # under a decaying learning rate, which follows the budget: the test below)
     (straight / "results.json").unlink()  # a run killed after its last save
     for other in (flags(True), dict(flags(False), token_budget=budget + 8)):
         line = check_one_error_line(run_here("ppo.py", cli(straight, **other, resume=True)))
         assert "essential arguments differ" in line and "token_budget" in line
+
+
+@pytest.mark.parametrize(
+    ("saved", "now", "allowed"),
+    [
+        (dict(count_critic_init_tokens=True, lr_schedule="constant"), dict(count_critic_init_tokens=False), True),
+        (dict(count_critic_init_tokens=True, lr_schedule="linear"), dict(count_critic_init_tokens=False), False),
+        (dict(count_critic_init_tokens=True, lr_schedule="cosine"), dict(count_critic_init_tokens=False), False),
+        (dict(count_critic_init_tokens=False, lr_schedule="constant"), dict(count_critic_init_tokens=True), False),
+        (dict(count_critic_init_tokens=False, lr_schedule="constant"), dict(count_critic_init_tokens=False), False),
+        (dict(lr_schedule="constant"), dict(), False),  # grpo.py, dpo.py: no such flag
+    ],
+)
+def test_only_a_paid_save_resumed_as_amortised_under_a_constant_learning_rate_may_change_its_budget(
+    saved, now, allowed
+):
+    """checkpoint.may_differ: a decaying learning rate follows the budget, so a paid run's first step already had
+    another learning rate than its amortised twin's; the other direction would train an amortised run's steps under
+    the paid price."""
+    from plumbing import checkpoint
+
+    now = {"lr_schedule": saved["lr_schedule"], **now}
+    saved, now = {**saved, "token_budget": 100}, {**now, "token_budget": 150}
+    assert checkpoint.may_differ("token_budget", saved, now) is allowed
+    assert checkpoint.may_differ("count_critic_init_tokens", saved, now) is allowed
+    assert not checkpoint.may_differ("lr", {**saved, "lr": 1.0}, {**now, "lr": 2.0})
 
 
 @pytest.mark.parametrize("case", ["critic none", "another capacity", "another model", "another sampling", "missing",
