@@ -149,10 +149,10 @@ def _dequantised_cache(gguf: Path) -> Path:
 
 @contextlib.contextmanager
 def _making(out: Path) -> Iterator[None]:
-    """Hold the lock on making out (a file beside it, as the organism's folder has): processes that start together
-    on an empty cache (the test workers, a sweep's runs) convert the GGUF once, the others waiting, then reading it,
-    where each converted its own before and all but one threw theirs away (~4.5 CPU seconds each for the tiny
-    models' tokenizer). Released when the file closes, or when this process dies."""
+    """Hold the lock on making out (a file beside it): processes that start together on an empty cache (the test
+    workers, a sweep's runs, torchrun's ranks) make it once, the others waiting, then reading it (a GGUF's
+    conversion, where each converted its own before and all but one threw theirs away, ~4.5 CPU seconds each for
+    the tiny models' tokenizer; an organism's folder). Released when the file closes, or when this process dies."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -312,9 +312,7 @@ def organism_folder(name: str = ORGANISM) -> Path:
     if inputs in _ORGANISM_CHECKED:
         return _ORGANISM_CHECKED[inputs]
     folder = organism_cache_folder(name)
-    cache_root().mkdir(parents=True, exist_ok=True)
-    with open(cache_root() / f".{folder.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+    with _making(folder):
         if folder.exists() and (why := organism_damage(folder)) is not None:
             aside = folder.with_name(f"{folder.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
             os.rename(folder, aside)

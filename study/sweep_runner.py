@@ -500,7 +500,7 @@ class Sweep:
         if self.state[i] == "new" and run.continues is not None:  # an amortised run: from its paid twin (twins.py)
             j = next(j for j, r in enumerate(self.runs) if r is run.continues)
             twin_cmd = command(self.o, run.continues, self.smoke, self.budget(run.continues))
-            note = fork(run, cmd, twin_cmd, self.log(j, "log"))
+            note = fork(run, twin_cmd, self.log(j, "log"))
             self.state[i] = "resume" if rundir.find_checkpoint(run.dir) is not None else "new"
         if self.state[i] == "resume":
             cmd.append("--resume")

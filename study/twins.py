@@ -59,27 +59,25 @@ def ran_as(log: Path, command: list[str]) -> bool:
     return bool(said) and all(s.removesuffix(" --resume") == want for s in said)
 
 
-def fork(run: Any, command: list[str], twin_command: list[str], twin_log: Path) -> str:
+def fork(run: Any, twin_command: list[str], twin_log: Path) -> str:
     """Start the amortised run from its paid twin's last checkpoint: copy it into run.dir with the metrics rows it
     counts (not the final evaluation's after it), so that the trainer's --resume takes the steps from there. Only a
-    twin that finished, ran as the plan runs it now (ran_as) and at this run's budget less its critic's pretraining
-    (the same reference run) is its prefix; otherwise, or if the copy fails, nothing is left and the run starts from
-    scratch. Returns what the sweep's log says of it."""
+    twin that finished and ran as the plan runs it now (ran_as: its budget among its flags, the same reference run's
+    as this run's) is its prefix; otherwise, or if the copy fails, nothing is left and the run starts from scratch.
+    Returns what the sweep's log says of it."""
     twin = run.continues
     if twin is None:
         return ""
-    res, ckpt = twin.dir / "results.json", rundir.find_checkpoint(twin.dir)
+    ckpt = rundir.find_checkpoint(twin.dir)
     try:
-        r = rundir.read_results(res) if res.is_file() else None
-        spent = int(r["args"]["token_budget"]) + int(r["critic_init"]["tokens"]) if r else None
+        rundir.read_results(twin.dir / "results.json")
         state = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else None
-        rows, step = (int(state["counters"]["metrics_rows"]), int(state["counters"]["step"])) if state else (0, 0)
+        rows, step = int(state["counters"]["metrics_rows"]), int(state["counters"]["step"])
     except (UserError, OSError, KeyError, TypeError, ValueError):
-        r, spent = None, None
+        state = None
     why = (
-        "has not finished" if r is None or ckpt is None or ckpt.name != rundir.CHECKPOINT
+        "has not finished" if state is None or ckpt.name != rundir.CHECKPOINT
         else "ran with other flags than the plan's now" if not ran_as(twin_log, twin_command)
-        else "ran at another budget" if str(spent) != str(cmdline.flag_value(command, "token_budget", None))
         else ""
     )  # fmt: skip
     if why:

@@ -145,17 +145,18 @@ def test_each_amortised_run_continues_its_paid_twin_of_the_same_seed_under_a_con
     assert not any(r.continues for r in cosine)
 
 
-def test_the_fork_copies_only_a_twin_that_finished_as_the_plan_runs_it_at_this_budget_less_its_pretraining(tmp_path):
+def test_the_fork_copies_only_a_twin_that_finished_as_the_plan_runs_it_now(tmp_path):
     """fork(): the twin's checkpoint and the metrics rows it counts (not the final evaluation's row after it), into
-    the run's folder, where the twin finished, ran with the command the plan gives it now (its log's starts, the
-    interpreter and --resume aside) and at this run's budget less its critic's tokens. A twin not finished, made with
-    other flags, at another budget (another reference run), or a copy that fails: nothing left, from scratch."""
+    the run's folder, where the twin finished and ran with the command the plan gives it now (its log's starts, the
+    interpreter and --resume aside; its --token-budget, the same reference run's as the amortised run's, among its
+    flags). A twin not finished, made with other flags, at another budget (another reference run), or a copy that
+    fails: nothing left, from scratch."""
     (twin_dir := tmp_path / "paid").mkdir()
     (twin_dir / "checkpoint").mkdir()
     (twin_dir / "checkpoint" / "state.json").write_text(json.dumps({"counters": {"step": 2, "metrics_rows": 2}}))
     (twin_dir / "checkpoint" / "weights").write_text("w")
     (twin_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 2, "val/accuracy": 0.5}\n')
-    results = {"args": {"token_budget": 40}, "critic_init": {"tokens": 100}, "steps": 2, "test": {"accuracy": 0.5}}
+    results = {"steps": 2, "test": {"accuracy": 0.5}}
     twin = sweep_runner.Run("x", "paid", 1, "ppo.py", ["--count-critic-init-tokens"], twin_dir)  # label x/paid
     twin_cmd = ["python", "ppo.py", "--critic", "small", "--count-critic-init-tokens", "--token-budget", "40"]
     log = tmp_path / "paid.log"
@@ -163,22 +164,22 @@ def test_the_fork_copies_only_a_twin_that_finished_as_the_plan_runs_it_at_this_b
                    "--token-budget 40\nstep 1 ...\n=== 2026-12-07 10:05:00 python3 ppo.py --critic small "
                    "--count-critic-init-tokens --token-budget 40 --resume\n")  # fmt: skip
 
-    def fork(budget: int, name: str, cmd: list[str] = twin_cmd) -> tuple[str, Path]:
+    def fork(name: str, cmd: list[str] = twin_cmd) -> tuple[str, Path]:
         run = sweep_runner.Run("x", name, 1, "ppo.py", [], tmp_path / name, continues=twin)
-        return twins.fork(run, ["--token-budget", str(budget)], cmd, log), run.dir
+        return twins.fork(run, cmd, log), run.dir
 
-    note, amortised = fork(140, "first")
+    note, amortised = fork("first")
     assert note == " (from scratch: its paid twin x/paid has not finished)" and not amortised.exists()
     (twin_dir / "results.json").write_text(json.dumps(results))
-    note, amortised = fork(140, "other-flags", [*twin_cmd, "--lr", "1e-3"])  # the plan's line changed since
+    note, amortised = fork("other-flags", [*twin_cmd, "--lr", "1e-3"])  # the plan's line changed since
     assert note.endswith("ran with other flags than the plan's now)") and not amortised.exists()
-    note, amortised = fork(150, "other-budget")
-    assert note.endswith("ran at another budget)") and not amortised.exists()
+    note, amortised = fork("other-budget", [*twin_cmd[:-1], "50"])  # the plan's budget now: another reference run's
+    assert note.endswith("ran with other flags than the plan's now)") and not amortised.exists()
     (twin_dir / "metrics.jsonl").rename(twin_dir / "metrics.moved")  # the copy fails: nothing left behind
-    note, amortised = fork(140, "failed-copy")
+    note, amortised = fork("failed-copy")
     assert "copying its paid twin x/paid failed" in note and list(amortised.iterdir()) == []
     (twin_dir / "metrics.moved").rename(twin_dir / "metrics.jsonl")
-    note, amortised = fork(140, "amortised")
+    note, amortised = fork("amortised")
     assert note == " (continuing x/paid's 2 steps)"
     assert (amortised / "checkpoint" / "weights").read_text() == "w"
     assert (amortised / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -508,7 +508,7 @@ def test_a_paid_run_continued_without_the_flag_ends_where_the_amortised_run_ends
     twin = sweep_runner.Run("x", "paid", 1, "ppo.py", paid_flags, paid)
     mine = [f for f in paid_flags if f != twins.PAID]
     run = sweep_runner.Run("x", "amortised", 1, "ppo.py", mine, forked, continues=twin)
-    note = twins.fork(run, mine, ["python", "ppo.py", *paid_flags], tmp_path / "paid.log")
+    note = twins.fork(run, ["python", "ppo.py", *paid_flags], tmp_path / "paid.log")
     assert note == " (continuing x/paid's 1 steps)", note
     check_ok(run_here("ppo.py", cli(forked, **flags(False), resume=True)))
     timing = ("time/", "tokens_per_s", "/seconds")
